@@ -1,0 +1,3 @@
+from lowcomm.cli import main
+
+raise SystemExit(main())

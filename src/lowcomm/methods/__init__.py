@@ -1,0 +1,70 @@
+"""The ``--method`` namespace: one registry for every method, whatever axis it changes.
+
+Use :func:`create` with a spec such as ``"acpsgd:rank=4"``. Method modules register
+themselves with :data:`METHODS`; the built-in modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from lowcomm.errors import UsageError
+from lowcomm.methods.base import Method, MethodContext, parse_options
+from lowcomm.registry import Registry
+
+METHODS: Registry[Method] = Registry("method")
+
+# Modules that register methods; each adds itself here.
+_BUILTIN_MODULES = [
+    "lowcomm.methods.ddp",
+    "lowcomm.methods.compression",
+    "lowcomm.sched.methods",
+]
+
+_loaded = False
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in _BUILTIN_MODULES:
+        importlib.import_module(mod)
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: register a :class:`Method` subclass under ``cls.name``."""
+    METHODS.register(cls.name)(cls)
+    return cls
+
+
+def split_spec(spec: str) -> tuple[str, str]:
+    name, _, opts = spec.strip().partition(":")
+    if not name:
+        raise UsageError(f"empty method name in {spec!r}")
+    return name.strip(), opts
+
+
+def create(spec: str, **overrides: Any) -> Method:
+    """Build a method from ``name[:key=value,...]``; keyword overrides win over the string."""
+    _load_builtins()
+    name, opts = split_spec(spec)
+    cls = METHODS.get(name)
+    options = parse_options(name, cls.Options, opts)  # type: ignore[attr-defined]
+    for k, v in overrides.items():
+        if not hasattr(options, k):
+            raise UsageError(f"unknown option {k!r} for method {name!r}")
+        setattr(options, k, v)
+    if hasattr(options, "__post_init__"):
+        options.__post_init__()
+    return cls(options)  # type: ignore[call-arg]
+
+
+def names(include_timing_only: bool = False) -> list[str]:
+    _load_builtins()
+    return [n for n in METHODS.names() if include_timing_only or not METHODS.get(n).timing_only]  # type: ignore[attr-defined]
+
+
+__all__ = ["METHODS", "Method", "MethodContext", "create", "names", "register", "split_spec"]

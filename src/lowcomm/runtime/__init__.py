@@ -1,0 +1,1 @@
+"""Runtime: launching workers, the training loop, checkpoints, timers and logs."""

@@ -1,0 +1,120 @@
+"""Atomic, per-rank checkpoints that resume exactly and load with ``weights_only=True``.
+
+Layout in the checkpoint directory::
+
+    ckpt-00000120-rank0.pt   model (rank 0 only), optimizer, scheduler, RNG, method state
+    ckpt-00000120-rank1.pt   optimizer, RNG and method state of rank 1 (error-feedback
+                             memory and optimizer shards differ per rank)
+    latest.json              {"step": 120, "world_size": 2, ...} written last
+
+Every file is written to a temporary name, fsynced and renamed, and ``latest.json`` is only
+replaced after all ranks have finished theirs (a barrier), so a crash at any point leaves
+the previous complete checkpoint in place. Older step files are then removed.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+MANIFEST = "latest.json"
+
+
+def _atomic_write_bytes(path: str, write: Any) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temp file in the same directory, fsync, then rename."""
+    _atomic_write_bytes(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_json(obj: Any, path: str) -> None:
+    _atomic_write_bytes(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
+
+
+def rng_state() -> dict[str, Any]:
+    """All RNG states in a form ``torch.load(weights_only=True)`` accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "python": _python_state_to_list(random.getstate()),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _python_state_to_list(state: tuple[Any, ...]) -> list[Any]:
+    version, internal, gauss = state
+    return [int(version), torch.tensor(internal, dtype=torch.int64), gauss]
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"])
+    )
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(int(v) for v in internal.tolist()), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rank_path(directory: str, step: int, rank: int) -> str:
+    return os.path.join(directory, f"ckpt-{step:08d}-rank{rank}.pt")
+
+
+def save_rank(directory: str, step: int, rank: int, payload: dict[str, Any]) -> None:
+    atomic_save(payload, rank_path(directory, step, rank))
+
+
+def commit(directory: str, step: int, meta: dict[str, Any]) -> None:
+    """Point ``latest.json`` at ``step`` (call after every rank saved), drop older files."""
+    atomic_write_json({"step": step, **meta}, os.path.join(directory, MANIFEST))
+    for path in glob.glob(os.path.join(directory, "ckpt-*-rank*.pt")):
+        if not os.path.basename(path).startswith(f"ckpt-{step:08d}-"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+def latest(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return dict(json.load(f))
+
+
+def load_rank(directory: str, step: int, rank: int) -> dict[str, Any]:
+    """Load this rank's file with ``weights_only=True`` (no arbitrary code runs)."""
+    return dict(torch.load(rank_path(directory, step, rank), map_location="cpu", weights_only=True))

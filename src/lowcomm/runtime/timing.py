@@ -1,0 +1,85 @@
+"""Per-iteration phase timers with medians, shared by the trainer and by comm hooks.
+
+Phases: ``data``, ``forward``, ``backward`` (compute, including communication that overlaps
+it), ``comm_wait`` (exposed waiting for communication), ``compress`` (encode/decode work done
+by a compression method) and ``optimizer``. Hooks running inside backward report their work
+with :func:`add`; the trainer subtracts it from the backward wall time so phases don't
+double-count.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+PHASES = ("data", "forward", "backward", "comm_wait", "compress", "optimizer")
+
+
+class StepTimer:
+    """Accumulates seconds per phase for the current step; keeps one dict per finished step."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._current[name] += seconds
+
+    def get(self, name: str) -> float:
+        with self._lock:
+            return self._current.get(name, 0.0)
+
+    def set(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._current[name] = seconds
+
+    def end_step(self) -> dict[str, float]:
+        with self._lock:
+            done = {p: self._current.get(p, 0.0) for p in PHASES}
+            for k, v in self._current.items():
+                done.setdefault(k, v)
+            self._current = defaultdict(float)
+        self.steps.append(done)
+        return done
+
+    def medians(self, skip: int = 0) -> dict[str, float]:
+        rows = self.steps[skip:] or self.steps
+        if not rows:
+            return {p: 0.0 for p in PHASES}
+        order = {p: i for i, p in enumerate(PHASES)}
+        keys = sorted({k for r in rows for k in r}, key=lambda k: (order.get(k, len(order)), k))
+        return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in keys}
+
+
+_TIMER = StepTimer()
+
+
+def timer() -> StepTimer:
+    """The process-wide step timer."""
+    return _TIMER
+
+
+def add(name: str, seconds: float) -> None:
+    """Credit ``seconds`` to phase ``name`` of the current step (thread-safe)."""
+    _TIMER.add(name, seconds)
+
+
+@contextmanager
+def measure(name: str) -> Iterator[None]:
+    """``with timing.measure("compress"): ...`` inside a hook."""
+    with _TIMER.phase(name):
+        yield

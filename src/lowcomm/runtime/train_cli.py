@@ -1,0 +1,227 @@
+"""``lowcomm train`` and ``lowcomm demo``.
+
+``lowcomm train --nproc N`` validates everything, then starts N workers on this machine (the
+same command re-executed with torchrun's environment variables). Under ``torchrun`` the
+variables are already set, so the command runs as one worker: that is how multi-node works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import sys
+import tempfile
+from typing import Any
+
+from lowcomm.errors import UsageError
+from lowcomm.runtime.config import OPTIMIZERS, SCHEDULES, TrainConfig
+from lowcomm.runtime.launch import launch_workers, under_torchrun
+
+
+def _kv(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,32,32, got {text!r}") from None
+    if not shape or any(v < 1 for v in shape):
+        raise argparse.ArgumentTypeError(f"shape dimensions must be >= 1, got {text!r}")
+    return shape
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--model", default=d.model, help="model name (see lowcomm.models)")
+    p.add_argument("--data", default=d.data, help="dataset name; mnist1d is embedded")
+    p.add_argument("--data-dir", default=None, help="folder with the dataset's files")
+    p.add_argument("--method", default=d.method, help="e.g. ssgd, powersgd:rank=4, acpsgd, pufferfish")
+    p.add_argument("--nproc", type=int, default=d.nproc, help="local worker processes")
+    p.add_argument("--epochs", type=int, default=d.epochs)
+    p.add_argument("--steps", type=int, default=None, help="stop after this many steps in total")
+    p.add_argument("--warmup-steps", type=int, default=None, help="steps left out of timing medians")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
+    p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    p.add_argument("--momentum", type=float, default=d.momentum)
+    p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
+    p.add_argument("--no-decay-norm-bias", action="store_true", help="no weight decay on norms and biases")
+    p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
+    p.add_argument("--lr-warmup-epochs", type=float, default=d.lr_warmup_epochs)
+    p.add_argument("--milestones", type=lambda s: [float(v) for v in s.split(",")], default=d.milestones)
+    p.add_argument("--gamma", type=float, default=d.gamma)
+    p.add_argument("--step-size-epochs", type=int, default=d.step_size_epochs)
+    p.add_argument("--clip-grad", type=float, default=None, help="max global gradient norm")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    p.add_argument("--no-eval", action="store_true", help="skip evaluation (timing runs)")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
+    p.add_argument("--stop-after-steps", type=int, default=None,
+                   help="checkpoint and exit after N steps of this run (preemptible jobs)")
+    p.add_argument("--json", default=None, help="write the summary JSON here")
+    p.add_argument("--log", default=None, help="append per-step JSONL records here")
+    p.add_argument("--tensorboard", default=None, metavar="DIR")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--model-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--input-shape", type=_shape, default=None, help="synthetic data: per-sample shape")
+    p.add_argument("--num-classes", type=int, default=None, help="synthetic data: classes")
+    p.add_argument("--vocab-size", type=int, default=None, help="synthetic data: token vocabulary")
+    p.add_argument("--quiet", action="store_true", help="no summary table")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    data_args = dict(args.data_arg)
+    for key in ("input_shape", "num_classes", "vocab_size"):
+        if getattr(args, key) is not None:
+            data_args[key] = getattr(args, key)
+    cfg = TrainConfig(
+        model=args.model, data=args.data, data_dir=args.data_dir, method=args.method,
+        nproc=args.nproc, epochs=args.epochs, steps=args.steps, warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, lr=args.lr,
+        optimizer=args.optimizer, momentum=args.momentum, nesterov=args.nesterov,
+        weight_decay=args.weight_decay, no_decay_norm_bias=args.no_decay_norm_bias,
+        schedule=args.schedule, lr_warmup_epochs=args.lr_warmup_epochs, milestones=args.milestones,
+        gamma=args.gamma, step_size_epochs=args.step_size_epochs, clip_grad=args.clip_grad,
+        amp=args.amp, seed=args.seed, threads=args.threads, device=args.device,
+        bucket_cap_mb=args.bucket_cap_mb, eval=not args.no_eval, checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every, resume=args.resume,
+        stop_after_steps=args.stop_after_steps, json=args.json, log=args.log,
+        tensorboard=args.tensorboard, progress=not args.no_progress,
+        model_args=dict(args.model_arg), data_args=data_args,
+    )
+    cfg.validate()
+    return cfg
+
+
+def check_names(cfg: TrainConfig) -> None:
+    """Unknown model, data or method names are refused before any worker starts."""
+    from lowcomm import data, methods, models
+
+    models.info(cfg.model)
+    if cfg.data not in data.names():
+        data.DATASETS.get(cfg.data)  # raises with the list of valid names
+    method = methods.create(cfg.method)
+    if method.timing_only and cfg.eval:
+        raise UsageError(f"method {cfg.method!r} is for timing only; add --no-eval")
+
+
+def default_threads(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if under_torchrun():
+        from lowcomm.runtime.trainer import run_training
+
+        run_training(cfg)
+        return 0
+    check_names(cfg)
+    json_path = cfg.json
+    tmp = None
+    if json_path is None:
+        tmp = tempfile.NamedTemporaryFile(prefix="lowcomm-summary-", suffix=".json", delete=False)
+        tmp.close()
+        json_path = tmp.name
+    worker_args = list(args._argv)
+    if cfg.json is None:
+        worker_args += ["--json", json_path]
+    if cfg.threads is None:
+        worker_args += ["--threads", str(default_threads(cfg.nproc))]
+    try:
+        if cfg.nproc == 1 and cfg.device != "cuda":
+            # One worker: still a real process group of size 1 path-wise, but in-process.
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            from lowcomm.runtime.trainer import run_training
+
+            try:
+                cfg.json = json_path
+                cfg.threads = cfg.threads or default_threads(1)
+                run_training(cfg)
+            finally:
+                for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                    os.environ.pop(v, None)
+            code = 0
+        else:
+            code = launch_workers(worker_args, cfg.nproc)
+        if code != 0:
+            return code
+        with open(json_path) as f:
+            summary = json.load(f)
+        if not args.quiet:
+            print_summary(summary)
+        return 0
+    finally:
+        if tmp is not None and os.path.exists(tmp.name):
+            os.unlink(tmp.name)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    title = f"lowcomm train: {s['model']} on {s['data']}" + (" (synthetic, timing only)" if s.get("synthetic") else "")
+    table = Table(title=title, show_header=False)
+    table.add_row("method", str(s["method"]))
+    table.add_row("workers", str(s["world_size"]))
+    table.add_row("steps / epochs", f"{s['steps']} / {s['epochs']}")
+    table.add_row("parameters", f"{s['params']:,}")
+    if s.get("final_test_accuracy") is not None:
+        table.add_row("test accuracy", f"{100 * s['final_test_accuracy']:.2f} %")
+    if s.get("final_test_metric") is not None:
+        table.add_row(f"test {s.get('metric_name')}", f"{s['final_test_metric']:.2f}")
+    table.add_row("bytes sent per worker", format_bytes(s["bytes_sent_per_worker"]))
+    table.add_row("bytes per worker per iteration", format_bytes(s["bytes_per_worker_per_iter"]))
+    table.add_row("iteration time (median)", f"{1000 * s['iter_time_s_median']:.1f} ms")
+    for phase, v in s["breakdown_s"].items():
+        table.add_row(f"  {phase}", f"{1000 * v:.1f} ms")
+    Console().print(table)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """The main job on the embedded default: MNIST-1D, 2 workers, a short training run."""
+    argv = ["--model", "cnn1d", "--data", "mnist1d", "--nproc", str(args.nproc), "--epochs", str(args.epochs),
+            "--batch-size", "64", "--lr", "0.05", "--method", args.method]
+    print(f"lowcomm demo: training cnn1d on MNIST-1D with {args.nproc} workers ({args.method})", flush=True)
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    train_args = parser.parse_args(argv)
+    train_args._argv = ["train", *argv]
+    return run_train(train_args)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("train", help="train a model with a communication method")
+    add_train_arguments(p)
+    p.set_defaults(func=run_train)
+    d = sub.add_parser("demo", help="the main job on the embedded default data")
+    d.add_argument("--nproc", type=int, default=2)
+    d.add_argument("--epochs", type=int, default=5)
+    d.add_argument("--method", default="ssgd")
+    d.set_defaults(func=run_demo)
