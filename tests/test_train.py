@@ -1,0 +1,75 @@
+"""End-to-end `lowcomm train`: summary keys, exact resume, clear refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowcomm.cli import main
+from lowcomm.runtime import checkpoint
+
+FAST = ["--model", "mlp", "--data", "mnist1d", "--nproc", "2", "--batch-size", "128", "--lr", "0.05",
+        "--threads", "1", "--quiet", "--no-progress"]
+
+
+def _final_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    manifest = checkpoint.latest(str(ckpt_dir))
+    assert manifest is not None
+    return checkpoint.load_rank(str(ckpt_dir), manifest["step"], 0)["model"]
+
+
+def test_train_writes_documented_summary_keys(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    argv = [*FAST, "--model", "cnn1d", "--batch-size", "64", "--epochs", "2", "--json", str(out)]
+    assert main(["train", *argv]) == 0
+    s = json.loads(out.read_text())
+    for key in ("method", "world_size", "model", "data", "epochs", "final_test_accuracy", "params",
+                "bytes_sent_per_worker", "iter_time_s_median", "breakdown_s"):
+        assert key in s, key
+    assert s["world_size"] == 2 and s["method"] == "ssgd"
+    assert s["final_test_accuracy"] > 0.2  # 10 classes: chance is 0.1
+    params_bytes = 4 * s["params"]
+    # ssgd: one ring all-reduce of every gradient per step: 2 (P-1)/P * bytes = bytes for P = 2
+    assert s["bytes_per_worker_per_iter"] == params_bytes
+    assert set(s["breakdown_s"]) >= {"data", "forward", "backward", "comm_wait", "compress", "optimizer"}
+
+
+def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [*FAST, "--epochs", "2"]
+    assert main(["train", *common, "--checkpoint-dir", str(straight)]) == 0
+    # 16 steps per epoch: stop at step 20, inside epoch 2, then resume to the end.
+    assert main(["train", *common, "--checkpoint-dir", str(resumed), "--stop-after-steps", "20"]) == 0
+    assert checkpoint.latest(str(resumed))["step"] == 20
+    assert main(["train", *common, "--checkpoint-dir", str(resumed), "--resume"]) == 0
+    a, b = _final_weights(straight), _final_weights(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "nosuchnet"], "unknown model 'nosuchnet'"),
+        (["--data", "imagenet22k"], "unknown dataset"),
+        (["--method", "magic"], "unknown method 'magic'"),
+        (["--nproc", "0"], "--nproc must be > 0"),
+        (["--batch-size", "0"], "--batch-size must be > 0"),
+        (["--lr", "-1"], "--lr must be > 0"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unknown_subcommand_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fly"]) == 2
+    assert "invalid choice" in capsys.readouterr().err
