@@ -193,6 +193,8 @@ class Trainer:
         seed_everything(cfg.seed)
         self.bundle = data_registry.create(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed, **cfg.data_args)
         self.task = _task_of(cfg.model, self.bundle)
+        # Encoder-decoder models trained as a copy task predict their own input.
+        self.target_is_input = getattr(model_registry.info(cfg.model), "lm_target", "next") == "input"
         self.method: Method = method_registry.create(cfg.method)
         if self.method.timing_only and cfg.eval:
             raise UsageError(f"method {cfg.method!r} is for timing only; use it with --no-eval")
@@ -335,6 +337,8 @@ class Trainer:
             y = y.to(self.dist.device, non_blocking=True)
             if self.bundle.train_transform is not None:
                 x = self.bundle.train_transform(x)
+            if self.target_is_input:
+                y = x
         self.optimizer.zero_grad(set_to_none=True)
         snap = self._snapshot()
         start = time.perf_counter()
@@ -392,6 +396,8 @@ class Trainer:
         for b in range(0, len(idx), self.cfg.eval_batch_size):
             x, y = fetch(idx[b : b + self.cfg.eval_batch_size])
             x, y = x.to(self.dist.device), y.to(self.dist.device)
+            if self.target_is_input:
+                y = x
             with self._autocast():
                 out = model(x)
             out = out.float()

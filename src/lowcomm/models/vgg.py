@@ -1,0 +1,84 @@
+"""CIFAR VGG-19 with batch norm, matching Pufferfish's 20,560,330 parameters (10 classes).
+
+How the count pins the architecture: the 16 convolutions of configuration "E" with BN and
+the three-layer head of chengyangfu/pytorch-vgg-cifar10 (which Pufferfish's ``vgg.py``
+follows) give exactly 20,560,330 when the convolutions have **no bias** (BN follows each one,
+so a bias would be redundant):
+
+* ``features``: 16 x [Conv2d 3x3 pad 1 (bias=False), BatchNorm2d, ReLU] with a 2x2 max-pool
+  after conv 2, 4, 8, 12 and 16 -> 20,018,880 weights + 11,008 BN parameters.
+* ``classifier``: Dropout(0.5), Linear(512, 512), ReLU, Dropout(0.5), Linear(512, 512),
+  ReLU, Linear(512, C) (all with bias) -> 530,442 for C = 10.
+
+(kuangliu's VGG19 has conv biases and a single Linear head: 20,040,522.) Pufferfish's hybrid
+keeps conv 1-9 full-rank and factorizes conv 10-16 and the two 512x512 FC layers; the conv
+positions inside ``features`` are :data:`VGG19_CONV_INDICES` (conv *k* is
+``features.{VGG19_CONV_INDICES[k-1]}``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lowcomm.models import ModelInfo, register_model
+
+# Configuration "E" (VGG-19): numbers are conv output channels, "M" a 2x2 max-pool.
+CFG_E: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
+                          512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
+
+
+def _make_features(cfg: list[int | str], in_channels: int) -> tuple[nn.Sequential, list[int]]:
+    layers: list[nn.Module] = []
+    conv_indices: list[int] = []
+    c = in_channels
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+        else:
+            assert isinstance(v, int)
+            conv_indices.append(len(layers))
+            layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), nn.BatchNorm2d(v),
+                       nn.ReLU(inplace=True)]
+            c = v
+    return nn.Sequential(*layers), conv_indices
+
+
+VGG19_CONV_INDICES: list[int] = _make_features(CFG_E, 3)[1]
+
+
+class VGG(nn.Module):
+    """VGG with BN for 32x32 inputs; ``forward(x: (B, 3, 32, 32)) -> (B, num_classes)``.
+
+    ``avgpool`` (adaptive, to 1x1) is an identity at 32x32 and lets other sizes work.
+    """
+
+    def __init__(self, cfg: list[int | str], *, num_classes: int = 10, in_channels: int = 3,
+                 dropout: float = 0.5) -> None:
+        super().__init__()
+        self.features, self.conv_indices = _make_features(cfg, in_channels)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Dropout(dropout),
+            nn.Linear(512, 512),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.Linear(512, 512),
+            nn.ReLU(inplace=True),
+            nn.Linear(512, num_classes),
+        )
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+@register_model("vgg19", info=ModelInfo("classification", (3, 32, 32), default_num_classes=10,
+                                       description="CIFAR VGG-19-BN, 2x512 FC head (Pufferfish)"))
+def vgg19(*, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.5) -> VGG:
+    return VGG(CFG_E, num_classes=num_classes, in_channels=in_channels, dropout=dropout)
