@@ -77,6 +77,10 @@ class Ledger:
 
 _LEDGER = Ledger()
 
+# torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def ledger() -> Ledger:
     """The process-wide ledger."""
@@ -135,7 +139,7 @@ def all_gather_into_tensor(
     tag: str = "all_gather",
 ) -> Any:
     _record("all_gather", tag, _nbytes(input), group)
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
 
 
 def all_gather(
@@ -160,7 +164,7 @@ def reduce_scatter_tensor(
     tag: str = "reduce_scatter",
 ) -> Any:
     _record("reduce_scatter", tag, _nbytes(input), group)
-    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    return _REDUCE_SCATTER_SINGLE(output, input, op=op, group=group, async_op=async_op)
 
 
 def broadcast(

@@ -20,6 +20,8 @@ _BUILTIN_MODULES = [
     "lowcomm.methods.ddp",
     "lowcomm.methods.compression",
     "lowcomm.sched.methods",
+    "lowcomm.lowrank.method",
+    "lowcomm.bench.reference",  # torch_powersgd, torch_fp16 (PyTorch's own hooks, for comparison)
 ]
 
 _loaded = False

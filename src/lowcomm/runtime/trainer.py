@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -257,8 +258,10 @@ class Trainer:
             self.scheduler.load_state_dict(resume_state["scheduler"])
         elif self.step:
             # Rebuilt mid-run (e.g. Pufferfish switch): continue the LR schedule where it was.
-            for _ in range(self.step):
-                self.scheduler.step()
+            with warnings.catch_warnings():  # replaying steps, not skipping optimizer steps
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(self.step):
+                    self.scheduler.step()
 
     def _load_resume_state(self) -> dict[str, Any] | None:
         cfg = self.cfg

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import traceback
 from typing import Any, Callable, Sequence
 
 import torch
+import torch._dynamo  # noqa: F401  DDP imports it lazily (~5 s); import once before forking
 import torch.distributed as dist
 
 
@@ -65,12 +67,14 @@ def _child(
         result = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
-        conn.send(("ok", result))
+        # Plain pickle copies tensor data; the default reducer would share memory that
+        # vanishes when this process exits before the parent reads it.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         tb = traceback.format_exc()
         print(tb, flush=True)
         try:
-            conn.send(("error", tb))
+            conn.send_bytes(pickle.dumps(("error", tb)))
         except Exception:
             pass
         log.flush()
@@ -112,7 +116,7 @@ def run_distributed(
         for r in list(pending):
             if pipes[r].poll(0.05):
                 try:
-                    status[r], results[r] = pipes[r].recv()
+                    status[r], results[r] = pickle.loads(pipes[r].recv_bytes())
                 except EOFError:
                     status[r] = "died"
                 pending.discard(r)

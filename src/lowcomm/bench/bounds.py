@@ -1,0 +1,57 @@
+"""The per-method lower bound and the derived columns of a bench row (pure arithmetic).
+
+Why a lower bound: an iteration time alone does not say whether a method is slow because it
+sends too much or because it is implemented badly. With perfect overlap, an iteration cannot
+be faster than the compute it needs (measured with the ``nocomm`` method, which sends
+nothing) nor than pushing its bytes through the link at the measured bandwidth; compression
+work cannot overlap either, so it adds on top::
+
+    lower_bound = max(compute_only, wire_bytes * 8 / bandwidth) + compress
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def wire_time_s(bytes_per_iter: float, bits_per_s: float) -> float:
+    """Seconds to push ``bytes_per_iter`` through a link of ``bits_per_s``."""
+    if bits_per_s <= 0:
+        raise ValueError(f"bandwidth must be > 0, got {bits_per_s}")
+    return bytes_per_iter * 8.0 / bits_per_s
+
+
+def lower_bound_s(*, compute_only_s: float, bytes_per_iter: float, bits_per_s: float, compress_s: float = 0.0) -> float:
+    """``max(compute_only, wire time) + compress`` (see module docstring)."""
+    return max(compute_only_s, wire_time_s(bytes_per_iter, bits_per_s)) + max(compress_s, 0.0)
+
+
+def derive(
+    run: dict[str, Any],
+    *,
+    batch_size: int,
+    world_size: int,
+    bits_per_s: float | None,
+    compute_only_s: float | None,
+    ssgd_iter_s: float | None,
+) -> dict[str, Any]:
+    """Fill ``samples_per_s``, ``speedup_vs_ssgd``, ``wire_time_s``, ``lower_bound_s`` and
+    ``bound_ratio`` (iteration time / lower bound, 1.0 = at the limit) of a successful run."""
+    it = run.get("iter_time_s_median")
+    out = dict(run)
+    if not it:
+        return out
+    out["samples_per_s"] = batch_size * world_size / it
+    out["speedup_vs_ssgd"] = ssgd_iter_s / it if ssgd_iter_s else None
+    compress = float((run.get("breakdown_s") or {}).get("compress", 0.0))
+    out["compress_s"] = compress
+    b = run.get("bytes_per_worker_per_iter")
+    if bits_per_s and b is not None:
+        out["wire_time_s"] = wire_time_s(b, bits_per_s)
+        if compute_only_s is not None:
+            lb = lower_bound_s(compute_only_s=compute_only_s, bytes_per_iter=b, bits_per_s=bits_per_s, compress_s=compress)
+            out["lower_bound_s"] = lb
+            out["bound_ratio"] = it / lb if lb > 0 else None
+    out.setdefault("lower_bound_s", None)
+    out["compute_only_s"] = compute_only_s
+    return out

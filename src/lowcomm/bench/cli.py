@@ -1,0 +1,146 @@
+"""``lowcomm bench``: compare methods on one model over an emulated (or loopback) network.
+
+Examples::
+
+    lowcomm bench --nproc 4 --model resnet18 --methods ssgd,fp16,powersgd --net 100mbit --plot b.png
+    lowcomm bench --nproc 4 --methods ssgd,powersgd --sweep-net 100mbit,1gbit,10gbit --json b.json
+    lowcomm bench --nproc 4 --methods ssgd,powersgd --epochs 5        # time-to-accuracy, MNIST-1D
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from lowcomm.errors import UsageError
+
+DEFAULT_METHODS = ("ssgd", "fp16", "signsgd", "topk", "powersgd", "acpsgd")
+
+
+def split_methods(text: str) -> list[str]:
+    """``'ssgd,topk:density=0.01,k=2,fp16'`` -> ``['ssgd', 'topk:density=0.01,k=2', 'fp16']``:
+    a part with ``=`` but no ``:`` continues the previous method's options."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
+
+
+def default_methods() -> str:
+    from lowcomm import methods
+
+    have = set(methods.names())
+    return ",".join(m for m in DEFAULT_METHODS if m in have)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark methods against each other on an emulated cluster",
+        description="Run several methods one after another on the same model, data shape, batch "
+        "and network (one shaped network namespace per worker when root; loopback otherwise).",
+    )
+    p.add_argument("--nproc", type=int, default=4, help="workers (default 4)")
+    p.add_argument("--model", default=None, help="model (default resnet18; cnn1d with --epochs)")
+    p.add_argument("--data", default=None, help="dataset (default synthetic; mnist1d with --epochs)")
+    p.add_argument("--input-shape", default="3,32,32", help="synthetic per-sample shape (default 3,32,32)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated method specs (default: those of {','.join(DEFAULT_METHODS)} that exist)")
+    p.add_argument("--net", default="100mbit", help="RATE[,delay=MS] e.g. 100mbit, 1gbit, or none (loopback)")
+    p.add_argument("--sweep-net", default=None, metavar="RATES", help="e.g. 100mbit,1gbit,10gbit (overrides --net)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per method (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up iterations (default 2)")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
+    p.add_argument("--epochs", type=int, default=None, help="time-to-accuracy mode: train E epochs, evaluating each")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores/nproc)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per method (default 900)")
+    p.add_argument("--no-compute-only", action="store_true", help="skip the nocomm run (no lower bound)")
+    p.add_argument("--work-dir", default=None, help="keep per-method logs and summaries here")
+    p.add_argument("--json", default=None, help="write the result JSON here")
+    p.add_argument("--plot", default=None, help="write the breakdown PNG here (+ _speedup/_accuracy PNGs)")
+    p.add_argument("--markdown", default=None, help="write the Markdown table here")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="model constructor argument passed to the workers, e.g. hidden=1024 (repeatable)")
+    p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument passed to every `lowcomm train` worker (repeatable)")
+    p.set_defaults(func=run)
+
+
+def _check_kv(text: str) -> str:
+    if "=" not in text:
+        raise UsageError(f"--model-arg expects KEY=VALUE, got {text!r}")
+    return text
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """Validate everything that can be validated before a namespace or worker exists."""
+    import os
+
+    from lowcomm.bench import harness, netns
+    from lowcomm.errors import check_positive
+
+    check_positive("--nproc", args.nproc)
+    check_positive("--iters", args.iters)
+    check_positive("--warmup", args.warmup, allow_zero=True)
+    check_positive("--batch-size", args.batch_size)
+    check_positive("--timeout", args.timeout)
+    if args.epochs is not None:
+        check_positive("--epochs", args.epochs)
+    if args.threads is not None:
+        check_positive("--threads", args.threads)
+    tta = args.epochs is not None
+    model = args.model or ("cnn1d" if tta else "resnet18")
+    data = args.data or ("mnist1d" if tta else "synthetic")
+    nets = netns.parse_net_list(args.sweep_net) if args.sweep_net else [netns.parse_net(args.net)]
+    methods = harness.validate_methods(split_methods(args.methods or default_methods()))
+    from lowcomm import data as data_mod
+    from lowcomm import models
+
+    if model not in models.names():
+        models.MODELS.get(model)  # raises UsageError listing the valid names
+    if data not in data_mod.names():
+        data_mod.DATASETS.get(data)
+    harness.check_capacity(args.nproc, model)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    return harness.BenchConfig(
+        methods=methods, nets=nets, nproc=args.nproc, model=model, data=data,
+        input_shape=args.input_shape if data == "synthetic" else None, batch_size=args.batch_size,
+        iters=args.iters, warmup=args.warmup, epochs=args.epochs, threads=threads,
+        timeout_s=args.timeout, work_dir=args.work_dir, compute_only=not args.no_compute_only,
+        extra_train_args=[a for kv in args.model_arg for a in ("--model-arg", _check_kv(kv))] + list(args.train_arg),
+        quiet=args.quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from lowcomm.bench import harness, report
+
+    cfg = build_config(args)
+    result = harness.run_bench(cfg)
+    report.print_table(result)
+    if args.json:
+        report.write_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.markdown:
+        from pathlib import Path
+
+        Path(args.markdown).write_text(report.markdown(result))
+        print(f"wrote {args.markdown}")
+    if args.plot:
+        for path in report.plot(result, args.plot):
+            print(f"wrote {path}")
+    ok = [r for r in result["runs"] if r.get("status") == "ok" and r["method"] != "nocomm"]
+    if not ok:
+        print("lowcomm bench: no method completed", file=sys.stderr)
+        return 1
+    return 0
+
+
+__all__ = ["register", "run", "split_methods", "UsageError"]

@@ -1,0 +1,412 @@
+"""``lowcomm bench``: run several methods one after another on the same model, data shape,
+batch and network, each as real worker processes, and collect comparable rows.
+
+Why out of process: each method runs exactly as a user would run it (``lowcomm train`` in N
+workers, each in its own shaped namespace), so the measured time includes everything the
+real run pays: gloo over TCP, the shaper, the Python overhead of the hooks. The harness only
+reads each run's summary JSON (rank 0 writes it) and adds the derived columns
+(:mod:`lowcomm.bench.bounds`). The compute-only reference is the ``nocomm`` method, measured
+once per invocation and reused for every network (it sends nothing, so the link does not
+matter).
+
+A method that fails becomes a row with ``status: "failed"`` and the last lines of its log as
+the reason; the remaining methods still run. A network the machine cannot shape to within
+15% of the request marks its rows failed with the measured rate. Namespaces are removed by
+:class:`lowcomm.bench.netns.Cluster` whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from lowcomm.bench import bounds, netns, probe
+from lowcomm.bench.netns import NetSpec
+from lowcomm.errors import UsageError
+
+#: Measured bandwidth below this fraction of the request: the rate is unreachable here.
+REACHABLE_FRACTION = 0.85
+MASTER_PORT = 29500  # inside a namespace nothing else listens
+
+
+@dataclass
+class BenchConfig:
+    methods: list[str]
+    nets: list[NetSpec]
+    nproc: int = 4
+    model: str = "resnet18"
+    data: str = "synthetic"
+    input_shape: str | None = "3,32,32"
+    batch_size: int = 32
+    iters: int = 10  # timed iterations per method
+    warmup: int = 2  # excluded from the medians
+    epochs: int | None = None  # time-to-accuracy mode
+    threads: int | None = None
+    timeout_s: float = 900.0
+    work_dir: str | None = None
+    compute_only: bool = True  # run `nocomm` for the lower bound
+    extra_train_args: list[str] = field(default_factory=list)
+    quiet: bool = False
+
+    @property
+    def tta(self) -> bool:
+        return self.epochs is not None
+
+
+# --- validation (before anything starts) ----------------------------------------------------
+
+
+def validate_methods(specs: list[str]) -> list[str]:
+    """Every name must be registered and its options valid; refuse otherwise (nothing ran)."""
+    from lowcomm import methods
+
+    if not specs:
+        raise UsageError("--methods needs at least one method, e.g. ssgd,fp16,powersgd")
+    valid = methods.names(include_timing_only=True)
+    unknown = [s for s in specs if methods.split_spec(s)[0] not in valid]
+    if unknown:
+        raise UsageError(f"unknown method(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+    for s in specs:
+        methods.create(s)  # options are parsed and checked here
+    seen: list[str] = []
+    for s in specs:
+        if s in seen:
+            raise UsageError(f"method {s!r} is listed twice in --methods")
+        seen.append(s)
+    return specs
+
+
+def _param_count(model: str) -> int | None:
+    try:
+        from lowcomm import models
+
+        return sum(p.numel() for p in models.create(model).parameters())
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - the trainer will report a model that cannot be built
+        return None
+
+
+def check_capacity(nproc: int, model: str, *, cpus: int | None = None, available_bytes: int | None = None) -> None:
+    """Refuse a world size this machine cannot hold: too many processes per core, or more
+    memory than is available (each worker holds the model, its gradients, optimizer state
+    and communication buffers, plus ~400 MB for Python and PyTorch)."""
+    cpus = cpus or os.cpu_count() or 1
+    if nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
+    if nproc > netns.MAX_WORKERS:
+        raise UsageError(f"--nproc {nproc} is more workers than the emulated subnet holds; valid: 1-{netns.MAX_WORKERS}")
+    if nproc > 8 * cpus:
+        raise UsageError(
+            f"--nproc {nproc} is more than this machine can hold: {cpus} CPU core(s) allow at most "
+            f"{8 * cpus} workers (8 per core)"
+        )
+    if available_bytes is None:
+        try:
+            import psutil
+
+            available_bytes = int(psutil.virtual_memory().available)
+        except Exception:  # noqa: BLE001
+            return
+    params = _param_count(model)
+    per_worker = 400e6 + (params or 0) * 4 * 6
+    if nproc * per_worker > available_bytes:
+        raise UsageError(
+            f"--nproc {nproc} with model {model!r} needs about {nproc * per_worker / 1e9:.1f} GB "
+            f"({per_worker / 1e9:.2f} GB per worker) but only {available_bytes / 1e9:.1f} GB is available; "
+            f"use at most {max(1, int(available_bytes // per_worker))} workers"
+        )
+
+
+# --- one method --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _redirect_fds(path: Path) -> Iterator[None]:
+    """Send this process's fd 1/2 (inherited by the workers) to ``path`` while they run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def failure_reason(log_text: str, returncode: int) -> str:
+    """The most telling line of a failed run's log (the exception, else the last line)."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in log_text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Failure)\b|^lowcomm: error", ln)]
+    fatal = [ln for ln in lines if ln.startswith("what():") or "terminate called" in ln]
+    pick = (fatal[-1] if fatal else errors[-1] if errors else lines[-1] if lines else "no output")
+    if returncode == 124:
+        pick = f"timed out; last output: {pick}"
+    return f"exit code {returncode}: {pick[:300]}"
+
+
+def train_args(cfg: BenchConfig, method: str, json_path: Path) -> list[str]:
+    """The ``lowcomm train`` command line every worker runs for ``method``."""
+    args = ["train", "--model", cfg.model, "--data", cfg.data, "--method", method,
+            "--batch-size", str(cfg.batch_size), "--json", str(json_path)]
+    if cfg.input_shape and cfg.data == "synthetic":
+        args += ["--input-shape", cfg.input_shape]
+    if cfg.tta:
+        args += ["--epochs", str(cfg.epochs), "--warmup-steps", str(cfg.warmup)]
+    else:
+        args += ["--steps", str(cfg.iters + cfg.warmup), "--warmup-steps", str(cfg.warmup), "--no-eval"]
+    if cfg.threads:
+        args += ["--threads", str(cfg.threads)]
+    return args + ["--no-progress"] + list(cfg.extra_train_args)
+
+
+def timing_spec(spec: str, cfg: BenchConfig) -> str:
+    """In timing runs, start compressing when timing starts (after the warm-up iterations).
+
+    Methods with a ``start_iter`` option send uncompressed gradients for their first steps
+    (10 by default, as the papers advise for accuracy); a timing run of a few iterations
+    would otherwise measure plain all-reduce. An explicit ``start_iter=`` is kept, and
+    time-to-accuracy runs keep the method's defaults.
+    """
+    import dataclasses
+
+    from lowcomm import methods
+
+    name, opts = methods.split_spec(spec)
+    if cfg.tta or "start_iter=" in opts:
+        return spec
+    methods.names()  # loads the built-in method modules
+    fields = {f.name for f in dataclasses.fields(methods.METHODS.get(name).Options)}  # type: ignore[attr-defined]
+    if "start_iter" not in fields:
+        return spec
+    return f"{name}:{opts + ',' if opts else ''}start_iter={cfg.warmup}"
+
+
+Launcher = Callable[..., int]
+
+
+def run_method(
+    cfg: BenchConfig,
+    method: str,
+    *,
+    work: Path,
+    tag: str,
+    cluster: netns.Cluster | None,
+    launcher: Launcher | None = None,
+) -> dict[str, Any]:
+    """Run one method on the current network; return its row (``status`` ok or failed)."""
+    if launcher is None:
+        from lowcomm.runtime.launch import launch_workers as launcher
+    run_spec = timing_spec(method, cfg)
+    json_path = work / f"{tag}.json"
+    log_path = work / f"{tag}.log"
+    json_path.unlink(missing_ok=True)
+    kw: dict[str, Any] = {"timeout_s": cfg.timeout_s, "failure_grace_s": 10.0}
+    if cluster is not None:
+        kw.update(
+            master_addr=cluster.addresses[0],
+            master_port=MASTER_PORT,
+            rank_prefix=cluster.exec_prefix,
+            rank_env=lambda r: {"GLOO_SOCKET_IFNAME": cluster.ifname},
+        )
+    else:
+        kw.update(rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
+    started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with _redirect_fds(log_path):
+        code = launcher(train_args(cfg, run_spec, json_path), cfg.nproc, **kw)
+    wall = time.perf_counter() - started
+    if code == 130:  # the launcher caught Ctrl-C / SIGTERM and stopped the workers: stop the bench
+        raise KeyboardInterrupt
+    row: dict[str, Any] = {"method": method, "spec_run": run_spec, "wall_s": wall, "log": str(log_path),
+                           "load_avg_1m_before": load}
+    if code != 0 or not json_path.exists():
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        row.update(status="failed", reason=failure_reason(text, code) if code else "no summary JSON written")
+        return row
+    summary = __import__("json").loads(json_path.read_text())
+    row.update(status="ok")
+    for key in ("iter_time_s_median", "bytes_per_worker_per_iter", "bytes_sent_per_worker", "breakdown_s",
+                "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic"):
+        if key in summary:
+            row[key] = summary[key]
+    if cfg.tta:
+        row["accuracy_curve"] = [
+            {"epoch": h.get("epoch"), "wall_s": h["wall_s"], "test_accuracy": h["test_accuracy"]}
+            for h in summary.get("history", []) if "test_accuracy" in h and "wall_s" in h
+        ]
+    return row
+
+
+# --- the whole benchmark ------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    try:
+        info["load_avg_1m_at_start"] = os.getloadavg()[0]  # other work on the machine skews timings
+    except OSError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        if names:
+            info["cpu"] = names[0]
+    except OSError:
+        pass
+    return info
+
+
+@contextlib.contextmanager
+def network(spec: NetSpec, nproc: int, log: Callable[[str], None]) -> Iterator[tuple[netns.Cluster | None, dict[str, Any]]]:
+    """Set up ``spec`` (or loopback), probe it, yield ``(cluster or None, network dict)``."""
+    info: dict[str, Any] = {"requested": spec.requested, "label": spec.label(), "emulated": False,
+                            "requested_bits_per_s": spec.rate_bits_per_s, "delay_ms": spec.delay_ms}
+    if spec.loopback:
+        info["note"] = "--net none: plain loopback"
+        info.update(_probe_dict(probe.probe_loopback()))
+        yield None, info
+        return
+    reason = netns.netns_support()
+    if reason:
+        info["note"] = f"not emulated: {reason}; ran on loopback"
+        log(f"lowcomm bench: cannot emulate {spec.label()} ({reason}); running on loopback instead")
+        info.update(_probe_dict(probe.probe_loopback()))
+        yield None, info
+        return
+    cluster = netns.Cluster(nproc, spec)
+    try:
+        cluster.up()
+    except netns.NetnsUnavailable as e:
+        info["note"] = f"not emulated: {e}; ran on loopback"
+        log(f"lowcomm bench: cannot emulate {spec.label()} ({e}); running on loopback instead")
+        info.update(_probe_dict(probe.probe_loopback()))
+        yield None, info
+        return
+    try:
+        info["emulated"] = True
+        info["namespaces"] = list(cluster.namespaces)
+        info.update(_probe_dict(probe.probe([cluster.exec_prefix(r) for r in range(nproc)], cluster.addresses)))
+        yield cluster, info
+    finally:
+        cluster.down()
+
+
+def _probe_dict(p: probe.ProbeResult) -> dict[str, Any]:
+    return {"measured_bits_per_s": p.measured_bits_per_s, "rtt_ms": p.rtt_ms, "probe_directions": p.directions}
+
+
+def run_bench(cfg: BenchConfig, *, launcher: Launcher | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every method on every network; return the result dict (see DESIGN.md section 3)."""
+    say = log or (lambda s: None if cfg.quiet else print(s, file=sys.stderr, flush=True))
+    work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lowcomm-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    methods = list(cfg.methods)
+    result: dict[str, Any] = {
+        "command": "bench",
+        "model": cfg.model + "".join(
+            f" {a}" for i, a in enumerate(cfg.extra_train_args) if i and cfg.extra_train_args[i - 1] == "--model-arg"
+        ),
+        "data": cfg.data,
+        "data_label": (f"synthetic {cfg.input_shape} input" if cfg.data == "synthetic" else cfg.data),
+        "input_shape": cfg.input_shape if cfg.data == "synthetic" else None,
+        "world_size": cfg.nproc,
+        "batch_size": cfg.batch_size,
+        "iters": cfg.iters,
+        "warmup_iters": cfg.warmup,
+        "epochs": cfg.epochs,
+        "threads_per_worker": cfg.threads,
+        "machine": machine(),
+        "work_dir": str(work),
+        "networks": [],
+        "runs": [],
+        "lower_bound_note": (
+            "lower bound = max(compute-only time [nocomm], bytes/iter at the measured bandwidth) "
+            "+ compression time"
+        ),
+    }
+    compute_only: float | None = None
+    started = time.perf_counter()
+    for n_idx, spec in enumerate(cfg.nets):
+        say(f"lowcomm bench: network {spec.label()}")
+        try:
+            with network(spec, cfg.nproc, say) as (cluster, info):
+                result["networks"].append(info)
+                bw = info.get("measured_bits_per_s")
+                say(f"  link probe: {netns.format_rate(bw) if bw else '?'}, RTT {info.get('rtt_ms', 0):.3g} ms"
+                    + ("" if info["emulated"] else " (loopback)"))
+                if info["emulated"] and spec.rate_bits_per_s and bw and bw < REACHABLE_FRACTION * spec.rate_bits_per_s:
+                    info["error"] = (f"requested {netns.format_rate(spec.rate_bits_per_s)} is unreachable on this "
+                                     f"machine: the probe measured {netns.format_rate(bw)}")
+                    say(f"  {info['error']}")
+                    for m in methods:
+                        result["runs"].append({"method": m, "net": spec.requested, "status": "failed",
+                                               "reason": info["error"]})
+                    continue
+                rows: list[dict[str, Any]] = []
+                order = list(methods)
+                # compute-only is measured on every network, right before its methods: on a shared
+                # machine the load drifts, and a reference from minutes ago is not comparable.
+                compute_only = None
+                if cfg.compute_only and not cfg.tta and "nocomm" not in order:
+                    order.insert(0, "nocomm")
+                for m in order:
+                    say(f"  running {m} on {cfg.nproc} workers ...")
+                    tag = f"net{n_idx}-{re.sub(r'[^A-Za-z0-9_.=-]', '_', m)}"
+                    try:
+                        row = run_method(cfg, m, work=work, tag=tag, cluster=cluster, launcher=launcher)
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except Exception as e:  # noqa: BLE001 - one broken method must not stop the others
+                        row = {"method": m, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
+                    row["net"] = spec.requested
+                    say(f"    {m}: " + (f"{row['iter_time_s_median']:.3g} s/iter" if row["status"] == "ok"
+                                         else f"FAILED ({row['reason']})"))
+                    if m == "nocomm" and row["status"] == "ok" and compute_only is None:
+                        compute_only = row["iter_time_s_median"]
+                    rows.append(row)
+                ssgd = next((r for r in rows if r["method"] == "ssgd" and r["status"] == "ok"), None)
+                for r in rows:
+                    if r["status"] == "ok":
+                        r.update(bounds.derive(
+                            r, batch_size=cfg.batch_size, world_size=cfg.nproc, bits_per_s=bw,
+                            compute_only_s=compute_only,
+                            ssgd_iter_s=ssgd["iter_time_s_median"] if ssgd else None,
+                        ))
+                result["runs"].extend(rows)
+        except UsageError as e:  # e.g. a delay this kernel cannot emulate
+            if len(result["networks"]) == n_idx:
+                result["networks"].append({"requested": spec.requested, "label": spec.label(), "emulated": False})
+            result["networks"][n_idx]["error"] = str(e)
+            say(f"  {e}")
+            done = {r["method"] for r in result["runs"] if r.get("net") == spec.requested}
+            for m in methods:
+                if m not in done:
+                    result["runs"].append({"method": m, "net": spec.requested, "status": "failed", "reason": str(e)})
+    result["network"] = result["networks"][0] if result["networks"] else None
+    result["total_wall_s"] = time.perf_counter() - started
+    with contextlib.suppress(OSError):
+        result["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+    return result

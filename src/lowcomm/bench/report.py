@@ -1,0 +1,315 @@
+"""Turn a bench result (the JSON dict) into a terminal table, Markdown, and PNG plots.
+
+Everything here reads only the result dict, so a recorded ``--json`` file can be re-rendered
+later (``benchmarks/`` does that for the docs) without re-running anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from lowcomm.bench.netns import format_rate
+from lowcomm.runtime.timing import PHASES
+
+COLUMNS = (
+    ("method", "method"),
+    ("iter ms", "iter_time_s_median"),
+    ("samples/s", "samples_per_s"),
+    ("MB/worker/iter", "bytes_per_worker_per_iter"),
+    ("speed-up vs ssgd", "speedup_vs_ssgd"),
+    ("bound ms", "lower_bound_s"),
+    ("iter/bound", "bound_ratio"),
+    ("compute ms", "_compute"),
+    ("comm wait ms", "_comm_wait"),
+    ("compress ms", "_compress"),
+)
+
+
+TTA_COLUMNS = (("test acc %", "final_test_accuracy"), ("train s", "_train_s"))
+
+
+def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The table's columns; time-to-accuracy runs add final accuracy and training time."""
+    return COLUMNS + (TTA_COLUMNS if result.get("epochs") else ())
+
+
+def _fmt(key: str, run: dict[str, Any]) -> str:
+    if run.get("status") == "failed":
+        return "" if key != "method" else run["method"]
+    b = run.get("breakdown_s") or {}
+    if key == "_compute":
+        v: Any = sum(b.get(p, 0.0) for p in ("forward", "backward"))
+    elif key == "_comm_wait":
+        v = b.get("comm_wait")
+    elif key == "_compress":
+        v = b.get("compress")
+    elif key == "_train_s":
+        curve = run.get("accuracy_curve") or []
+        v = curve[-1]["wall_s"] if curve else None
+    else:
+        v = run.get(key)
+    if v is None:
+        return "-"
+    if key == "method":
+        return str(v) + (" (compute only)" if v == "nocomm" else "")
+    if key == "bytes_per_worker_per_iter":
+        return f"{v / 1e6:.3g}"
+    if key == "samples_per_s":
+        return f"{v:.1f}"
+    if key in ("speedup_vs_ssgd", "bound_ratio"):
+        return f"{v:.2f}x"
+    if key == "final_test_accuracy":
+        return f"{100 * v:.1f}"
+    if key == "_train_s":
+        return f"{v:.1f}"
+    return f"{v * 1e3:.1f}"  # seconds shown as milliseconds
+
+
+def network_label(net: dict[str, Any]) -> str:
+    """``'100 Mbit/s emulated (measured 95.9 Mbit/s, RTT 0.01 ms)'`` or the loopback note."""
+    meas = net.get("measured_bits_per_s")
+    rtt = net.get("rtt_ms")
+    measured = f"measured {format_rate(meas)}" if meas else "not measured"
+    if rtt is not None:
+        measured += f", RTT {rtt:.3g} ms"
+    if net.get("error"):
+        return f"{net.get('requested')}: FAILED ({net['error']})"
+    if net.get("emulated"):
+        return f"{net.get('label', net.get('requested'))} emulated ({measured})"
+    why = f"; {net['note']}" if net.get("note") else ""
+    return f"loopback, not emulated ({measured}{why})"
+
+
+def title(result: dict[str, Any], net: dict[str, Any] | None = None) -> str:
+    net = net or result.get("network") or {}
+    return (
+        f"{result.get('model')} ({result.get('data_label', result.get('data'))}), "
+        f"{result.get('world_size')} workers, batch {result.get('batch_size')}/worker — "
+        f"{network_label(net) if net else ''}"
+    )
+
+
+def runs_for(result: dict[str, Any], net: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in result.get("runs", []) if r.get("net", net.get("requested")) == net.get("requested")]
+
+
+def networks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(result.get("networks") or ([result["network"]] if result.get("network") else []))
+
+
+def rows(runs: Iterable[dict[str, Any]], cols: tuple[tuple[str, str], ...] = COLUMNS) -> list[list[str]]:
+    return [[_fmt(k, r) for _, k in cols] for r in runs]
+
+
+def failures(runs: Iterable[dict[str, Any]]) -> list[str]:
+    return [f"{r['method']}: FAILED — {r.get('reason', 'unknown reason')}" for r in runs if r.get("status") == "failed"]
+
+
+def noise_warning(runs: Iterable[dict[str, Any]]) -> str | None:
+    """Flag rows faster than their own lower bound: the machine's load changed between runs."""
+    below = [r["method"] for r in runs if r.get("status") == "ok" and (r.get("bound_ratio") or 1.0) < 0.95]
+    if not below:
+        return None
+    return (f"warning: {', '.join(below)} ran faster than the lower bound, which is impossible on a steady "
+            "machine: other load changed between runs (see load_avg_1m_before in the JSON); "
+            "re-run on an idle machine for trustworthy ratios")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """Markdown tables, one per network, with the failures listed under each."""
+    out = []
+    cols = columns(result)
+    for net in networks(result):
+        out.append(f"**{title(result, net)}**\n")
+        out.append("| " + " | ".join(h for h, _ in cols) + " |")
+        out.append("|" + "---|" * len(cols))
+        runs = runs_for(result, net)
+        for r in rows((x for x in runs if x.get("status") != "failed"), cols):
+            out.append("| " + " | ".join(r) + " |")
+        for f in failures(runs):
+            out.append(f"\n- {f}")
+        warn = noise_warning(runs)
+        if warn:
+            out.append(f"\n_{warn}_")
+        out.append("")
+    return "\n".join(out)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """A rich table per network (plain text when stdout is not a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import shutil
+
+    console = Console(width=max(shutil.get_terminal_size((160, 24)).columns, 150))
+    cols = columns(result)
+    for net in networks(result):
+        table = Table(title=title(result, net), title_justify="left")
+        for h, k in cols:
+            table.add_column(h, justify="left" if k == "method" else "right")
+        runs = runs_for(result, net)
+        for r in rows((x for x in runs if x.get("status") != "failed"), cols):
+            table.add_row(*r)
+        console.print(table)
+        for f in failures(runs):
+            console.print(f, style="red", markup=False, highlight=False)
+        warn = noise_warning(runs)
+        if warn:
+            console.print(warn, style="yellow", markup=False, highlight=False)
+        if not net.get("emulated"):
+            console.print(f"note: {network_label(net)}", markup=False, highlight=False)
+    if result.get("lower_bound_note"):
+        console.print(result["lower_bound_note"], markup=False, highlight=False)
+
+
+def write_json(result: dict[str, Any], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+# --- plots ---------------------------------------------------------------------------------
+
+_PHASE_COLORS = {
+    "data": "#bbbbbb",
+    "forward": "#4c72b0",
+    "backward": "#55a868",
+    "comm_wait": "#c44e52",
+    "compress": "#dd8452",
+    "optimizer": "#8172b2",
+}
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(result: dict[str, Any], path: str | Path) -> list[Path]:
+    """Write the breakdown bars to ``path``; for a sweep also ``<stem>_speedup.png``; for a
+    time-to-accuracy run also ``<stem>_accuracy.png``. Returns the files written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = [plot_breakdown(result, path)]
+    if len(networks(result)) > 1:
+        written.append(plot_speedup(result, path.with_name(path.stem + "_speedup.png")))
+    if any(r.get("accuracy_curve") for r in result.get("runs", [])):
+        written.append(plot_accuracy(result, path.with_name(path.stem + "_accuracy.png")))
+    return written
+
+
+def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
+    """Stacked median phase times per method, one panel per network, lower bound marked."""
+    plt = _plt()
+    nets = networks(result)
+    fig, axes = plt.subplots(1, len(nets), figsize=(max(6.0, 1.1 * 5 + 1.2 * len(result.get("runs", [])) / max(1, len(nets))) * len(nets) ** 0.8, 4.8), squeeze=False)
+    for ax, net in zip(axes[0], nets):
+        runs = [r for r in runs_for(result, net) if r.get("status") != "failed"]
+        names = [r["method"] + ("\n(compute only)" if r["method"] == "nocomm" else "") for r in runs]
+        x = list(range(len(runs)))
+        bottom = [0.0] * len(runs)
+        for phase in PHASES:
+            vals = [float((r.get("breakdown_s") or {}).get(phase, 0.0)) for r in runs]
+            if not any(vals):
+                continue
+            ax.bar(x, vals, bottom=bottom, color=_PHASE_COLORS.get(phase), label=phase.replace("_", " "))
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        its = [r.get("iter_time_s_median") or 0.0 for r in runs]
+        ax.scatter(x, its, marker="_", s=600, color="black", label="median iteration", zorder=3)
+        lbs = [(i, r["lower_bound_s"]) for i, r in enumerate(runs) if r.get("lower_bound_s")]
+        if lbs:
+            ax.scatter([i for i, _ in lbs], [v for _, v in lbs], marker="v", color="black", facecolors="none",
+                       s=60, label="lower bound", zorder=3)
+        for i, r in enumerate(runs):
+            if r.get("speedup_vs_ssgd") and r["method"] != "nocomm":
+                ax.annotate(f"{r['speedup_vs_ssgd']:.2f}x", (i, its[i]), textcoords="offset points",
+                            xytext=(0, 6), ha="center", fontsize=8)
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=30, ha="right")
+        ax.set_ylabel("seconds per iteration (median)")
+        ax.set_title(network_label(net), fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+        failed = [r["method"] for r in runs_for(result, net) if r.get("status") == "failed"]
+        if failed:
+            ax.text(0.99, 0.98, "failed: " + ", ".join(failed), transform=ax.transAxes, ha="right", va="top",
+                    fontsize=8, color="#c44e52")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.suptitle(
+        f"Time per iteration by phase — {result.get('model')} ({result.get('data_label', result.get('data'))}), "
+        f"{result.get('world_size')} workers, batch {result.get('batch_size')}/worker",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_speedup(result: dict[str, Any], path: Path) -> Path:
+    """Speed-up over ssgd against measured bandwidth, one line per method."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    methods = []
+    for r in result.get("runs", []):
+        if r["method"] not in methods and r["method"] not in ("ssgd",):
+            methods.append(r["method"])
+    for m in methods:
+        pts = []
+        for net in networks(result):
+            bw = net.get("measured_bits_per_s")
+            for r in runs_for(result, net):
+                if r["method"] == m and r.get("speedup_vs_ssgd") and bw:
+                    pts.append((bw / 1e6, r["speedup_vs_ssgd"]))
+        if pts:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+    ax.axhline(1.0, color="black", lw=0.8, ls="--", label="ssgd")
+    ax.set_xscale("log")
+    ax.set_xlabel("measured link bandwidth (Mbit/s, log scale)")
+    ax.set_ylabel("speed-up over ssgd (x)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"Speed-up vs bandwidth — {result.get('model')}, {result.get('world_size')} workers", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_accuracy(result: dict[str, Any], path: Path) -> Path:
+    """Test accuracy against wall-clock seconds, one curve per method (time-to-accuracy)."""
+    plt = _plt()
+    nets = networks(result)
+    fig, axes = plt.subplots(1, len(nets), figsize=(6.5 * len(nets) ** 0.8, 4.5), squeeze=False)
+    for ax, net in zip(axes[0], nets):
+        for r in runs_for(result, net):
+            curve = r.get("accuracy_curve") or []
+            if curve:
+                ax.plot([p["wall_s"] for p in curve], [100 * p["test_accuracy"] for p in curve], marker="o",
+                        ms=3, label=r["method"])
+        ax.set_xlabel("wall-clock time (s)")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(network_label(net), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"Time to accuracy — {result.get('model')} on {result.get('data')}, {result.get('world_size')} workers",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+

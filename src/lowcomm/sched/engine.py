@@ -1,0 +1,516 @@
+"""A data-parallel engine that owns gradient synchronization through autograd hooks.
+
+Instead of DDP's reducer, every trainable parameter gets a gradient-ready hook
+(``register_post_accumulate_grad_hook``) that copies its gradient into the flat buffer of its
+fusion group (:mod:`lowcomm.sched.groups`). When a group is complete its collective starts
+at once, asynchronously, so communication overlaps the rest of backward. Groups are launched
+strictly in reverse forward order (the "next group" pointer waits for stragglers) so the
+sequence of collectives is identical on every rank — the property that keeps gloo/NCCL from
+pairing the wrong operations.
+
+Three modes (:class:`Mode`):
+
+* ``allreduce`` (WFBP, MG-WFBP): all-reduce each group; ``finish_sync`` waits and writes the
+  averaged gradient into ``p.grad``; the user's optimizer steps as usual.
+* ``dear`` (DeAR): reduce-scatter each group during backward; ``optimizer_step`` only records
+  the optimizer and its hyperparameters and starts the all-gather of group 0. A forward
+  pre-hook on each layer waits for its group's all-gather, starts the next group's (one group
+  ahead), writes the averaged gradient into ``p.grad`` and runs the user's optimizer on that
+  group's parameters only, with the hyperparameters recorded at ``optimizer_step`` (so an LR
+  scheduler stepped in between does not leak in). Elementwise optimizers (SGD with momentum,
+  Nesterov, weight decay; Adam/AdamW) give exactly DDP's update.
+* ``shard`` (Lee et al. 2018): reduce-scatter during backward; ``optimizer_step`` updates only
+  this rank's 1/P shard with a sharded copy of the optimizer (same class and hyperparameters,
+  state only for the shard); the forward pre-hooks all-gather the updated parameters one
+  group ahead of the forward.
+
+``flush()`` completes every pending all-gather (and, for ``dear``, update) so the weights are
+whole; call it before evaluation or a checkpoint. For ``shard`` it also gathers the sharded
+optimizer state into the user's optimizer, so ``optimizer.state_dict()`` on rank 0 is a full,
+ordinary checkpoint (loadable by any method); the next step re-shards it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import warnings
+from enum import Enum
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowcomm.comm import accounting
+from lowcomm.runtime import timing
+from lowcomm.errors import UsageError
+from lowcomm.sched.groups import Group, Unit, build_groups, collect_units
+
+
+class Mode(str, Enum):
+    ALLREDUCE = "allreduce"
+    DEAR = "dear"
+    SHARD = "shard"
+
+
+def _names(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+class Engine:
+    """Hooks, fused buffers and the collective schedule for one model (see module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        mode: Mode | str,
+        process_group: Any = None,
+        tag: str = "sched",
+        sizes: list[int] | None = None,
+        broadcast_buffers: bool = True,
+    ) -> None:
+        self.model = model
+        self.mode = Mode(mode)
+        self.pg = process_group
+        self.tag = tag
+        self.broadcast_buffers = broadcast_buffers
+        self.distributed = dist.is_initialized()
+        self.world = dist.get_world_size(process_group) if self.distributed else 1
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.units: list[Unit] = collect_units(model)
+        self.groups: list[Group] = []
+        self._loc: dict[int, tuple[int, int]] = {}
+        self._module_group: dict[int, int] = {}
+        self._unit_of: dict[int, int] = {id(p): u.index for u in self.units for p in u.params}
+        self.sizes: list[int] = []
+        self.shard_opt: torch.optim.Optimizer | None = None
+        self.set_grouping(sizes or [1] * len(self.units))
+        self.steps = 0  # completed synchronizations
+        self._launch_ptr = 0
+        self._defer_launch = True  # first backward: check for unused parameters before sending
+        self._warned_missing = False
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._hyper: list[dict[str, Any]] = []
+        self._pieces: list[tuple[nn.Parameter, int, int, int, int, nn.Parameter]] = []
+        self._state_dirty = False
+        # profiling of gradient-ready times (MG-WFBP)
+        self.profiling = False
+        self.ready_profile: list[list[float]] = []
+        self._unit_ready = [0.0] * len(self.units)
+        self._fwd_end = time.perf_counter()
+        self.on_synced: list[Callable[[Engine], None]] = []
+        self._handles: list[Any] = []
+        self._broadcast_initial()
+        self._register_hooks()
+
+    # --- set-up ----------------------------------------------------------------------------
+    def _broadcast_initial(self) -> None:
+        """Start from rank 0's parameters and buffers, like DDP."""
+        if not self.distributed or self.world == 1:
+            return
+        src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+        with torch.no_grad():
+            for t in list(self.model.parameters()) + list(self.model.buffers()):
+                accounting.broadcast(t.data, src, group=self.pg, tag=f"{self.tag}.init")
+
+
+    def _register_hooks(self) -> None:
+        for u in self.units:
+            for p in u.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+            if self.mode is not Mode.ALLREDUCE:
+                self._handles.append(u.module.register_forward_pre_hook(self._on_forward_pre))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def set_grouping(self, sizes: list[int]) -> None:
+        """Re-fuse the units (forward-order unit counts per group). Nothing may be pending."""
+        if any(g.pending or g.launched or g.ready for g in self.groups):
+            raise RuntimeError("cannot regroup while communication is pending; flush() first")
+        if self.mode is Mode.SHARD and self.shard_opt is not None:
+            raise RuntimeError("lee18 shards cannot be regrouped after the first step")
+        self.groups = build_groups(self.units, list(sizes), self.world)
+        self.sizes = list(sizes)
+        self._loc = {id(p): (g.index, i) for g in self.groups for i, p in enumerate(g.params)}
+        self._module_group = {id(u.module): g.index for g in self.groups for u in g.units}
+
+    # --- backward ---------------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        gi, i = self._loc[id(p)]
+        g = self.groups[gi]
+        name = g.names[i]
+        if g.pending:
+            raise UsageError(
+                f"parameter {name!r} was used in forward without its module's forward running "
+                f"first, so {self.tag!r} could not bring it up to date in time; call the module "
+                "itself (or use method ssgd/wfbp/mgwfbp)"
+            )
+        if i in g.ready:
+            raise UsageError(
+                f"gradient of {name!r} became ready twice in one step (several backward passes "
+                "or reentrant checkpointing before the optimizer step); the scheduling engine "
+                "needs exactly one backward per step"
+            )
+        if p.grad is None:
+            return
+        g.slice_of(i).copy_(p.grad.reshape(-1))
+        if self.mode is not Mode.ALLREDUCE:
+            p.grad = None  # the averaged gradient lives in the group's shard from now on
+        g.ready.add(i)
+        if self.profiling:
+            u = self._unit_of[id(p)]
+            self._unit_ready[u] = max(self._unit_ready[u], time.perf_counter() - self._fwd_end)
+        if not self._defer_launch and len(g.ready) == len(g.params):
+            self._try_launch()
+
+    def _try_launch(self) -> None:
+        n = len(self.groups)
+        while self._launch_ptr < n:
+            g = self.groups[n - 1 - self._launch_ptr]
+            if len(g.ready) < len(g.params):
+                return
+            self._launch(g)
+            self._launch_ptr += 1
+
+    def _launch(self, g: Group) -> None:
+        if g.padded > g.numel:
+            g.flat[g.numel :].zero_()
+        g.launched = True
+        if not self.distributed:
+            if self.mode is not Mode.ALLREDUCE:
+                g.shard.copy_(g.flat)
+            return
+        if self.mode is Mode.ALLREDUCE:
+            g.work = accounting.all_reduce(g.flat, group=self.pg, async_op=True, tag=self.tag)
+        else:
+            g.work = accounting.reduce_scatter_tensor(
+                g.shard, g.flat, group=self.pg, async_op=True, tag=f"{self.tag}.rs"
+            )
+
+    def _missing(self) -> list[tuple[Group, int]]:
+        return [(g, i) for g in self.groups for i in range(len(g.params)) if i not in g.ready]
+
+    def finish_sync(self) -> None:
+        """Wait for this step's gradient collectives (the exposed communication wait)."""
+        missing = self._missing()
+        if self._defer_launch:
+            self._check_unused(missing)
+            self._defer_launch = False
+        elif missing:
+            if not self._warned_missing:
+                warnings.warn(
+                    f"{len(missing)} parameters got no gradient this step (e.g. "
+                    f"{_names([g.names[i] for g, i in missing])}); sending zeros for them"
+                )
+                self._warned_missing = True
+            for g, i in missing:
+                g.slice_of(i).zero_()
+                g.ready.add(i)
+        self._try_launch()
+        for k in range(len(self.groups) - 1, -1, -1):
+            g = self.groups[k]
+            if g.work is not None:
+                g.work.wait()  # type: ignore[attr-defined]
+                g.work = None
+            if self.mode is Mode.ALLREDUCE:
+                g.flat.div_(self.world)
+                for i, p in enumerate(g.params):
+                    avg = g.slice_of(i).view_as(p)
+                    if p.grad is None:
+                        p.grad = avg.clone()
+                    else:
+                        p.grad.copy_(avg)
+            else:
+                g.shard.div_(self.world)
+            g.ready.clear()
+            g.launched = False
+        self._launch_ptr = 0
+        self.steps += 1
+        if self.profiling:
+            self.ready_profile.append(list(self._unit_ready))
+            self._unit_ready = [0.0] * len(self.units)
+        for cb in list(self.on_synced):
+            cb(self)
+
+    def _check_unused(self, missing: list[tuple[Group, int]]) -> None:
+        """First backward: refuse parameters that received no gradient, on every rank at once."""
+        count = torch.tensor([float(len(missing))])
+        if self.distributed and self.world > 1:
+            accounting.all_reduce(count, group=self.pg, tag=f"{self.tag}.check")
+        if count.item() > 0:
+            local = _names([g.names[i] for g, i in missing]) if missing else "none on this rank"
+            raise UsageError(
+                f"{int(count.item())} trainable parameters (summed over ranks) got no gradient in "
+                f"the first backward ({local}); the scheduling engine needs every trainable "
+                "parameter used in each step: freeze unused ones with requires_grad_(False)"
+            )
+
+    # --- update -----------------------------------------------------------------------------
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.mode is Mode.ALLREDUCE:
+            optimizer.step()
+            return
+        self.optimizer = optimizer
+        if self.mode is Mode.DEAR:
+            self._hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
+        else:
+            self._shard_step(optimizer)
+        for g in self.groups:
+            g.pending = True
+        self._launch_ag(self.groups[0])
+
+    def _launch_ag(self, g: Group) -> None:
+        if not g.pending or g.ag_work is not None:
+            return
+        src = g.shard if self.mode is Mode.DEAR else g.param_shard  # type: ignore[attr-defined]
+        if not self.distributed:
+            g.flat.copy_(src)
+            g.ag_work = True
+            return
+        g.ag_work = accounting.all_gather_into_tensor(
+            g.flat, src, group=self.pg, async_op=True, tag=f"{self.tag}.ag"
+        )
+
+    def _on_forward_pre(self, module: nn.Module, _args: Any) -> None:
+        gi = self._module_group.get(id(module))
+        if gi is not None:
+            self.ensure_ready(gi)
+
+    def ensure_ready(self, gi: int) -> None:
+        """Make group ``gi``'s parameters current; start the next pending group's all-gather."""
+        g = self.groups[gi]
+        if not g.pending:
+            return
+        self._launch_ag(g)
+        if g.ag_work is not True:
+            with timing.measure("comm_wait"):  # exposed all-gather wait inside forward
+                g.ag_work.wait()  # type: ignore[union-attr]
+        g.ag_work = None
+        g.pending = False
+        for nxt in self.groups[gi + 1 :]:
+            if nxt.pending:
+                self._launch_ag(nxt)
+                break
+        if self.mode is Mode.DEAR:
+            self._apply_dear_update(g)
+        else:
+            with torch.no_grad():
+                for i, p in enumerate(g.params):
+                    p.copy_(g.slice_of(i).view_as(p))
+
+    def _apply_dear_update(self, g: Group) -> None:
+        opt = self.optimizer
+        assert opt is not None
+        members = {id(p) for p in g.params}
+        for i, p in enumerate(g.params):
+            p.grad = g.slice_of(i).view_as(p)
+        original = opt.param_groups
+        subset = []
+        for pg, hyper in zip(original, self._hyper):
+            params = [p for p in pg["params"] if id(p) in members]
+            if params:
+                subset.append({**pg, **hyper, "params": params})
+        try:
+            opt.param_groups = subset
+            opt.step()
+        finally:
+            opt.param_groups = original
+            for p in g.params:
+                p.grad = None
+
+    def flush(self) -> None:
+        """Complete all pending all-gathers/updates so the weights are whole."""
+        for g in self.groups:
+            self.ensure_ready(g.index)
+        if self.mode is Mode.SHARD and self._state_dirty and self.optimizer is not None:
+            self._consolidate_state(self.optimizer)
+
+    # --- lee18: sharded optimizer -----------------------------------------------------------
+    def _shard_range(self, g: Group) -> tuple[int, int]:
+        s = g.shard.numel()
+        return self.rank * s, (self.rank + 1) * s
+
+    def _build_shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        pieces_of: dict[int, nn.Parameter] = {}
+        self._pieces = []
+        for g in self.groups:
+            lo, hi = self._shard_range(g)
+            g.param_shard = torch.zeros_like(g.shard)  # type: ignore[attr-defined]
+            for i, p in enumerate(g.params):
+                o = g.offsets[i]
+                a, b = max(lo, o), min(hi, o + p.numel())
+                if b <= a:
+                    # empty piece: keeps per-parameter state (e.g. AdamW's step) on every rank
+                    piece = nn.Parameter(g.param_shard[0:0])  # type: ignore[attr-defined]
+                    piece.grad = g.shard[0:0]
+                    pieces_of[id(p)] = piece
+                    self._pieces.append((p, g.index, i, 0, 0, piece))
+                    continue
+                view = g.param_shard[a - lo : b - lo]  # type: ignore[attr-defined]
+                with torch.no_grad():
+                    view.copy_(p.detach().reshape(-1)[a - o : b - o])
+                piece = nn.Parameter(view)
+                piece.grad = g.shard[a - lo : b - lo]
+                pieces_of[id(p)] = piece
+                self._pieces.append((p, g.index, i, a - o, b - o, piece))
+        groups = []
+        for pg in optimizer.param_groups:
+            ps = [pieces_of[id(p)] for p in pg["params"] if id(p) in pieces_of]
+            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": ps})
+        groups = [g for g in groups if g["params"]]
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        try:
+            self.shard_opt = cls(groups, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(
+                f"lee18 could not build a sharded copy of {cls.__name__} ({e}); it needs an "
+                "elementwise torch optimizer such as SGD, Adam or AdamW"
+            ) from None
+        self._user_groups = [
+            [id(p) for p in pg["params"] if id(p) in pieces_of] for pg in optimizer.param_groups
+        ]
+
+    def _import_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take this rank's slice of any full optimizer state (checkpoint or consolidation)."""
+        assert self.shard_opt is not None
+        for p, _gi, _i, a, b, piece in self._pieces:
+            full = optimizer.state.pop(p, None)
+            if not full:
+                continue
+            st = {}
+            for k, v in full.items():
+                if torch.is_tensor(v) and v.shape == p.shape:
+                    st[k] = v.detach().reshape(-1)[a:b].clone()
+                else:
+                    st[k] = v.clone() if torch.is_tensor(v) else v
+            self.shard_opt.state[piece] = st
+
+    def _shard_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.shard_opt is None:
+            self._build_shard_optimizer(optimizer)
+        assert self.shard_opt is not None
+        self._import_state(optimizer)
+        live = [pg for pg, ids in zip(optimizer.param_groups, self._user_groups) if ids]
+        for upg, spg in zip(live, self.shard_opt.param_groups):
+            for k, v in upg.items():
+                if k != "params":
+                    spg[k] = v
+        for _p, gi, _i, a, b, piece in self._pieces:
+            g = self.groups[gi]
+            lo = self._shard_range(g)[0]
+            off = g.offsets[_i]
+            piece.grad = g.shard[off + a - lo : off + b - lo] if b > a else g.shard[0:0]
+        self.shard_opt.step()
+        self._state_dirty = True
+
+    def _consolidate_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """All-gather the shard optimizer state into ``optimizer.state`` as full tensors."""
+        assert self.shard_opt is not None
+        by_group: dict[int, list[tuple[nn.Parameter, int, int, int, nn.Parameter]]] = {}
+        for p, gi, i, a, b, piece in self._pieces:
+            by_group.setdefault(gi, []).append((p, i, a, b, piece))
+        for gi, items in by_group.items():
+            g = self.groups[gi]
+            lo = self._shard_range(g)[0]
+            keys = sorted(
+                {
+                    k
+                    for _p, _i, _a, _b, piece in items
+                    for k, v in self.shard_opt.state.get(piece, {}).items()
+                    if torch.is_tensor(v) and v.shape == piece.shape
+                }
+            )
+            full_by_key = {}
+            for k in keys:
+                local = torch.zeros_like(g.shard)
+                for _p, i, a, b, piece in items:
+                    v = self.shard_opt.state.get(piece, {}).get(k)
+                    if v is not None and b > a:
+                        start = g.offsets[i] + a - lo
+                        local[start : start + (b - a)] = v
+                full = torch.empty_like(g.flat)
+                if self.distributed:
+                    accounting.all_gather_into_tensor(full, local, group=self.pg, tag=f"{self.tag}.state")
+                else:
+                    full.copy_(local)
+                full_by_key[k] = full
+            for p, i, _a, _b, piece in items:
+                st: dict[str, Any] = {}
+                for k, v in self.shard_opt.state.get(piece, {}).items():
+                    if k in full_by_key:
+                        o = g.offsets[i]
+                        st[k] = full_by_key[k][o : o + p.numel()].view_as(p).clone()
+                    else:
+                        st[k] = v.clone() if torch.is_tensor(v) else v
+                if st:
+                    optimizer.state[p] = st
+        self._state_dirty = False
+
+    # --- gradient clipping ------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the global gradient norm (call between ``finish_sync`` and the step)."""
+        if self.mode is Mode.ALLREDUCE:
+            params = [p for u in self.units for p in u.params]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        if float(norm_type) != 2.0:
+            raise UsageError(f"{self.tag}: only norm_type=2 clipping is supported, got {norm_type}")
+        sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].shard.device)
+        for g in self.groups:
+            sq += g.shard.double().pow(2).sum()
+        if self.distributed and self.world > 1:
+            accounting.all_reduce(sq, group=self.pg, tag=f"{self.tag}.clip")
+        total = sq.sqrt().to(self.groups[0].shard.dtype)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in self.groups:
+                g.shard.mul_(coef)
+        return total.squeeze(0)
+
+    # --- forward helpers --------------------------------------------------------------------
+    def before_forward(self) -> None:
+        if self.broadcast_buffers and self.distributed and self.world > 1 and self.model.training:
+            bufs = [b for b in self.model.buffers() if b.numel()]
+            if bufs:
+                flat = torch._utils._flatten_dense_tensors([b.data for b in bufs])
+                src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+                accounting.broadcast(flat, src, group=self.pg, tag=f"{self.tag}.buffers")
+                for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
+                    b.data.copy_(v)
+
+    def after_forward(self) -> None:
+        self._fwd_end = time.perf_counter()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "groups": len(self.groups),
+            "group_sizes_units": list(self.sizes),
+            "group_bytes": [g.numel * g.flat.element_size() for g in self.groups],
+        }
+
+
+class ScheduledModule(nn.Module):
+    """What ``method.wrap`` returns: calls the model; the engine's hooks do the rest.
+
+    Like DDP, the model is available as ``.module`` (state-dict keys get a ``module.`` prefix).
+    """
+
+    def __init__(self, module: nn.Module, engine: Engine) -> None:
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "engine", engine)  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.engine.before_forward()
+        out = self.module(*args, **kwargs)
+        self.engine.after_forward()
+        return out
+

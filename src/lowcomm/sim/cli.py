@@ -1,0 +1,287 @@
+"""``lowcomm profile | simulate | advise``: measure a profile, predict at scale, recommend.
+
+Examples::
+
+    lowcomm profile --model resnet18 --batch-size 32 --out resnet18.json
+    lowcomm simulate --profile resnet18.json --workers 8,64,1024 --net 10gbit \\
+        --methods ssgd,powersgd:rank=4,acpsgd --plot speedup.png --json sim.json
+    lowcomm advise --model resnet18 --net 10gbit --workers 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from lowcomm.errors import UsageError, check_positive
+from lowcomm.sim.advise import CANDIDATES, CAVEATS, advise
+from lowcomm.sim.network import parse_network
+from lowcomm.sim.predict import make_schedule, predict_iteration_time
+from lowcomm.sim.profile import Profile
+
+
+def split_methods(text: str) -> list[str]:
+    """``'ssgd,topk:density=0.01,fp16'`` -> specs; a part with ``=`` and no ``:`` continues
+    the previous method's options (same rule as ``lowcomm bench --methods``)."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    if not specs:
+        raise UsageError("--methods is empty")
+    for s in specs:
+        make_schedule(s)  # refuse unknown names/options before any work
+    return specs
+
+
+def parse_workers(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--workers must be comma-separated integers, got {text!r}") from None
+    if not out or any(p < 1 for p in out):
+        raise UsageError(f"--workers needs integers >= 1, got {text!r}")
+    return out
+
+
+# -- profile ------------------------------------------------------------------------------
+def measure_profile(model_name: str, batch_size: int, device: str, *, iters: int = 5,
+                    warmup: int = 2, factorized: bool = True,
+                    input_shape: tuple[int, ...] | None = None) -> Profile:
+    """Profile a registry model on synthetic inputs (and its Pufferfish form if available).
+
+    ``input_shape`` (per sample, classifiers only) overrides the model's default, as the
+    bench's ``--input-shape`` does.
+    """
+    import torch
+    from torch import nn
+
+    from lowcomm import models
+    from lowcomm.sim.profiler import profile_model
+
+    check_positive("--batch-size", batch_size)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError("--device cuda requested but CUDA is not available; use --device cpu")
+    meta = models.info(model_name)
+    kw: dict[str, Any] = {}
+    shape = tuple(meta.default_input_shape)
+    if input_shape is not None and meta.task == "classification":
+        shape = tuple(input_shape)
+        kw = models.kwargs_for_data(model_name, input_shape=shape)
+    g = torch.Generator().manual_seed(0)
+    dev = torch.device(device)
+    if meta.task == "classification":
+        x = torch.randn(batch_size, *shape, generator=g).to(dev)
+        y = torch.randint(0, meta.output_size, (batch_size,), generator=g).to(dev)
+
+        def loss_fn(out: Any, target: Any) -> Any:
+            return nn.functional.cross_entropy(out, target)
+    else:
+        seq = meta.default_input_shape[0]
+        x = torch.randint(0, meta.output_size, (batch_size, seq), generator=g).to(dev)
+        y = torch.randint(0, meta.output_size, (batch_size, seq), generator=g).to(dev)
+
+        def loss_fn(out: Any, target: Any) -> Any:
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    def batch() -> tuple[Any, Any]:
+        return x, y
+
+    torch.manual_seed(0)
+    model = models.create(model_name, **kw)
+    prof = profile_model(model, batch, loss_fn, model_name=model_name, batch_size=batch_size,
+                         device=dev, iters=iters, warmup=warmup)
+    if factorized:
+        try:
+            from lowcomm.lowrank import factorize
+        except ImportError:
+            factorize = None  # type: ignore[assignment]
+        if factorize is not None:
+            small = factorize(models.create(model_name, **kw))
+            fact = profile_model(small, batch, loss_fn, model_name=f"{model_name}:pufferfish",
+                                 batch_size=batch_size, device=dev, iters=iters, warmup=warmup,
+                                 measure_kernels=False)
+            fact.costs, fact.compressors = prof.costs, prof.compressors
+            prof.factorized = fact
+    return prof
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    prof = measure_profile(args.model, args.batch_size, args.device, iters=args.iters,
+                           warmup=args.warmup, factorized=not args.no_factorized)
+    out = Path(args.out or f"profile-{args.model}-b{args.batch_size}.json")
+    prof.save(out)
+    print(f"profile of {prof.model} (batch {prof.batch_size}, {prof.device}): "
+          f"{len(prof.layers)} layers, {prof.numel:,} parameters")
+    print(f"  forward {prof.forward_s * 1e3:.2f} ms  backward {prof.backward_s * 1e3:.2f} ms  "
+          f"optimizer {prof.optimizer_s * 1e3:.2f} ms")
+    if prof.factorized is not None:
+        f = prof.factorized
+        print(f"  factorized: {f.numel:,} parameters, forward {f.forward_s * 1e3:.2f} ms, "
+              f"backward {f.backward_s * 1e3:.2f} ms")
+    print(f"wrote {out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(prof.to_dict(), indent=2) + "\n")
+    return 0
+
+
+# -- simulate -----------------------------------------------------------------------------
+def simulate_table(prof: Profile, methods: list[str], workers: list[int],
+                   net_spec: str, *, bucket_mb: float = 25.0) -> dict[str, Any]:
+    net = parse_network(net_spec)
+    kw = {"network": net, "bucket_mb": bucket_mb}
+    single = predict_iteration_time(prof, "ssgd", workers=1, **kw).iter_time_s
+    rows = []
+    for p in workers:
+        base = predict_iteration_time(prof, "ssgd", workers=p, **kw)
+        for m in methods:
+            pred = base if m == "ssgd" else predict_iteration_time(prof, m, workers=p, **kw)
+            rows.append(dict(pred.as_dict(),
+                             scaling_efficiency=single / pred.iter_time_s,
+                             speedup_vs_ssgd=base.iter_time_s / pred.iter_time_s))
+    return {
+        "profile": {"model": prof.model, "batch_size": prof.batch_size, "device": prof.device,
+                    "params": prof.numel, "single_worker_iter_time_s": single},
+        "network": net.describe(),
+        "workers": workers,
+        "methods": methods,
+        "results": rows,
+    }
+
+
+def print_results(rows: list[dict[str, Any]]) -> None:
+    head = f"{'method':<22}{'P':>6}{'iter ms':>11}{'samples/s':>12}{'eff':>7}{'vs ssgd':>9}" \
+           f"{'MB/iter':>10}{'exposed ms':>12}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['method']:<22}{r['workers']:>6}{r['iter_time_s'] * 1e3:>11.2f}"
+              f"{r['samples_per_s']:>12.1f}{r['scaling_efficiency']:>7.2f}"
+              f"{r['speedup_vs_ssgd']:>8.2f}x{r['wire_bytes_per_worker'] / 1e6:>10.2f}"
+              f"{r['breakdown_s']['comm_exposed'] * 1e3:>12.2f}")
+
+
+def plot_speedup(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m in result["methods"]:
+        pts = [(r["workers"], r["speedup_vs_ssgd"]) for r in result["results"] if r["method"] == m]
+        ax.plot([p for p, _ in pts], [s for _, s in pts], marker="o", label=m)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("predicted speed-up vs ssgd")
+    ax.set_title(f"{result['profile']['model']} on {result['network']['name']} (simulated)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def default_methods(prof: Profile) -> list[str]:
+    return [m for m in CANDIDATES if m != "pufferfish" or prof.factorized is not None]
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    prof = Profile.load(args.profile)
+    methods = split_methods(args.methods) if args.methods else default_methods(prof)
+    result = simulate_table(prof, methods, parse_workers(args.workers), args.net,
+                            bucket_mb=args.bucket_mb)
+    print(f"{prof.model} batch {prof.batch_size} ({prof.device}), "
+          f"{prof.numel:,} params, network {result['network']['name']} "
+          f"({result['network']['algorithm']})")
+    print_results(result["results"])
+    warned = {w for r in result["results"] for w in r["warnings"]}
+    for w in sorted(warned):
+        print(f"warning: {w}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.plot:
+        plot_speedup(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# -- advise -------------------------------------------------------------------------------
+def run_advise(args: argparse.Namespace) -> int:
+    if args.profile:
+        prof = Profile.load(args.profile)
+    elif args.model:
+        print(f"profiling {args.model} locally (batch {args.batch_size}, {args.device}) ...")
+        prof = measure_profile(args.model, args.batch_size, args.device)
+    else:
+        raise UsageError("advise needs --model M (profiled locally) or --profile PATH")
+    net = parse_network(args.net)
+    check_positive("--workers", args.workers)
+    methods = split_methods(args.methods) if args.methods else list(CANDIDATES)
+    adv = advise(prof, workers=args.workers, network=net, methods=methods,
+                 bucket_mb=args.bucket_mb)
+    print(f"{prof.model} batch {prof.batch_size} ({prof.device}) on {args.workers} workers, "
+          f"network {net.name}")
+    print(f"{'method':<22}{'iter ms':>11}{'vs ssgd':>9}{'MB/iter':>10}")
+    for p in adv.ranking:
+        print(f"{p.method:<22}{p.iter_time_s * 1e3:>11.2f}{adv.speedup(p):>8.2f}x"
+              f"{p.wire_bytes_per_worker / 1e6:>10.2f}")
+    for m, why in adv.skipped.items():
+        print(f"(skipped {m}: {why})")
+    best = adv.best
+    print(f"\nrecommended: {best.method} — predicted {adv.speedup(best):.2f}x vs ssgd "
+          f"({best.iter_time_s * 1e3:.2f} ms/iter)")
+    if best is not adv.ranking[0]:
+        print(f"  ({adv.ranking[0].method} is predicted {adv.ranking[0].iter_time_s * 1e3:.2f} ms "
+              "but changes the updates; an exact method within 5% is preferred)")
+    print(f"  caveat: {CAVEATS.get(best.method.split(':')[0], '')}")
+    for w in best.warnings:
+        print(f"  warning: {w}")
+    print("  the simulator predicts speed only; check accuracy on your task.")
+    if args.json:
+        Path(args.json).write_text(json.dumps(adv.as_dict(), indent=2) + "\n")
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("profile", help="measure per-layer times and gradient sizes of a model")
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--iters", type=int, default=5, help="timed iterations (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--no-factorized", action="store_true",
+                   help="skip profiling the Pufferfish-factorized model")
+    p.add_argument("--out", default=None, help="profile JSON (default profile-MODEL-bB.json)")
+    p.add_argument("--json", default=None, help="also write the profile here")
+    p.set_defaults(func=run_profile)
+
+    s = sub.add_parser("simulate", help="predict iteration times of methods at scale")
+    s.add_argument("--profile", required=True, help="profile JSON from 'lowcomm profile' or by hand")
+    s.add_argument("--workers", default="8,64,1024", help="comma-separated worker counts")
+    s.add_argument("--net", default="10gbit",
+                   help="preset (1gbit,10gbit,25gbit,100gbit,infiniband,nvlink) or RATE, "
+                        "options ,delay=MS ,algo=ring|tree ,intra=nvlink,gpus_per_node=G")
+    s.add_argument("--methods", default=None, help="comma-separated method specs (default: all)")
+    s.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (MB)")
+    s.add_argument("--json", default=None)
+    s.add_argument("--plot", default=None, help="PNG of speed-up vs workers")
+    s.set_defaults(func=run_simulate)
+
+    a = sub.add_parser("advise", help="recommend the fastest method for a model, network and scale")
+    a.add_argument("--model", default=None)
+    a.add_argument("--profile", default=None, help="use this profile instead of measuring")
+    a.add_argument("--net", required=True)
+    a.add_argument("--workers", type=int, required=True)
+    a.add_argument("--batch-size", type=int, default=32)
+    a.add_argument("--device", default="cpu")
+    a.add_argument("--methods", default=None, help="restrict to these methods")
+    a.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (MB)")
+    a.add_argument("--json", default=None)
+    a.set_defaults(func=run_advise)

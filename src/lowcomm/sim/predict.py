@@ -1,0 +1,129 @@
+"""``predict_iteration_time``: one method, one profile, P workers, one network -> a Prediction.
+
+The schedule is simulated for :data:`ITERATIONS` back-to-back iterations and the steady-state
+iteration time is the mean over all but the first (which has no all-gathers pending from a
+previous step and, for ACP-SGD, averages one P step and one Q step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowcomm.errors import UsageError, check_positive
+from lowcomm.methods.base import parse_options
+from lowcomm.sim.network import NetworkModel
+from lowcomm.sim.profile import Profile
+from lowcomm.sim.schedules import SCHEDULES, Schedule, Sim
+from lowcomm.sim.timeline import Timeline
+
+ITERATIONS = 5
+
+
+@dataclass
+class Prediction:
+    method: str
+    workers: int
+    iter_time_s: float
+    samples_per_s: float
+    #: Mean seconds per iteration: forward, backward, optimizer, compress (all compression
+    #: work), comm (busy time of the comm stream's collectives) and comm_exposed (iteration
+    #: time not covered by compute-stream work).
+    breakdown_s: dict[str, float]
+    wire_bytes_per_worker: float
+    network: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    timeline: Timeline | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "workers": self.workers,
+            "iter_time_s": self.iter_time_s,
+            "samples_per_s": self.samples_per_s,
+            "breakdown_s": dict(self.breakdown_s),
+            "wire_bytes_per_worker": self.wire_bytes_per_worker,
+            "network": dict(self.network),
+            "warnings": list(self.warnings),
+        }
+
+
+def make_schedule(method_spec: str) -> Schedule:
+    name, _, opts = method_spec.strip().partition(":")
+    name = name.strip()
+    if name not in SCHEDULES:
+        import difflib
+
+        close = difflib.get_close_matches(name, SCHEDULES, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise UsageError(f"the simulator has no method {name!r}{hint}; valid: "
+                         f"{', '.join(sorted(SCHEDULES))}")
+    cls = SCHEDULES[name]
+    from lowcomm import methods
+
+    if name in methods.names(include_timing_only=True):
+        # the method's own options: same names, defaults and validation as training
+        return cls(methods.create(method_spec).options)
+    return cls(parse_options(name, cls.Options, opts))
+
+
+def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,
+             iterations: int = ITERATIONS, bucket_mb: float = 25.0,
+             first_bucket_mb: float = 1.0) -> tuple[Sim, Schedule]:
+    """Run the schedule; return the simulation (timeline inside) and the schedule object."""
+    if int(workers) != workers or workers < 1:
+        raise UsageError(f"workers must be a positive integer, got {workers}")
+    schedule = make_schedule(method_spec)
+    sim = Sim(schedule.profile_for(profile), int(workers), network, bucket_mb=bucket_mb,
+              first_bucket_mb=first_bucket_mb)
+    schedule.setup(sim)
+    for it in range(1, iterations + 1):
+        schedule.iteration(sim, it)
+    return sim, schedule
+
+
+def predict_iteration_time(profile: Profile, method_spec: str, *, workers: int,
+                           network: NetworkModel, bucket_mb: float = 25.0,
+                           first_bucket_mb: float = 1.0) -> Prediction:
+    """Predicted steady-state iteration time of ``method_spec`` on ``workers`` workers.
+
+    ``method_spec`` is a ``--method`` string (``"acpsgd:rank=4"``); its options are parsed by
+    the method itself. ``bucket_mb``/``first_bucket_mb`` are DDP's bucket caps (the trainer's
+    ``--bucket-cap-mb``).
+    """
+    check_positive("workers", workers)
+    sim, _ = simulate(profile, method_spec, workers=workers, network=network,
+                      bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+    tl = sim.tl
+    first, last = 1, ITERATIONS
+    n = last - first
+    iter_time = (tl.end_of(last) - tl.end_of(first)) / n
+    steady = [t for t in tl.tasks if first < t.iteration <= last]
+
+    def total(pred: Any) -> float:
+        return sum(t.duration for t in steady if pred(t)) / n
+
+    compute_busy = total(lambda t: t.stream == "compute")
+    breakdown = {
+        "forward": total(lambda t: t.kind == "forward"),
+        "backward": total(lambda t: t.kind == "backward"),
+        "optimizer": total(lambda t: t.kind == "optimizer"),
+        "compress": total(lambda t: t.kind == "compress"),
+        "comm": total(lambda t: t.kind == "comm"),
+        "comm_exposed": max(0.0, iter_time - compute_busy),
+    }
+    warnings = []
+    used = sim.profile
+    if used.costs.is_zero and any(t.kind == "compress" for t in steady):
+        warnings.append("profile has no compute-cost constants: compression work counted as free")
+    return Prediction(
+        method=method_spec,
+        workers=sim.p,
+        iter_time_s=iter_time,
+        samples_per_s=sim.p * used.batch_size / iter_time if iter_time > 0 else float("inf"),
+        breakdown_s=breakdown,
+        wire_bytes_per_worker=sum(t.wire_bytes for t in steady) / n,
+        network=network.describe(),
+        warnings=warnings,
+        timeline=tl,
+    )

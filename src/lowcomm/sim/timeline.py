@@ -1,0 +1,84 @@
+"""A two-stream event timeline: one compute stream, one communication stream.
+
+Tasks are added in program order (the order the training code issues them). A task starts
+when its stream is free and every task it depends on has ended, so a stream runs its tasks
+in FIFO order, exactly like a CUDA stream or a gloo/NCCL work queue. That is all the
+simulator needs to express overlap: a collective issued after a layer's backward runs on the
+comm stream while the compute stream continues with the next layer.
+
+Compression work that DDP runs in a future's callback (e.g. Power-SGD's orthogonalization
+between its two all-reduces) is placed on the comm stream: it sits in the dependency chain
+between collectives and does not delay backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+STREAMS = ("compute", "comm")
+
+
+@dataclass
+class Task:
+    name: str
+    stream: str
+    kind: str  # forward | backward | optimizer | compress | comm | sync
+    iteration: int
+    start: float
+    end: float
+    wire_bytes: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    def overlaps(self, other: Task) -> bool:
+        """True if the two tasks run at the same time for a positive interval."""
+        return min(self.end, other.end) - max(self.start, other.start) > 1e-15
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.tasks: list[Task] = []
+        self._free = {s: 0.0 for s in STREAMS}
+
+    def add(
+        self,
+        name: str,
+        stream: str,
+        duration: float,
+        *,
+        kind: str,
+        iteration: int,
+        after: Iterable[Task | None] = (),
+        wire_bytes: int = 0,
+    ) -> Task:
+        if stream not in self._free:
+            raise ValueError(f"unknown stream {stream!r}")
+        start = max([self._free[stream], *(t.end for t in after if t is not None)])
+        task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes)
+        self._free[stream] = task.end
+        self.tasks.append(task)
+        return task
+
+    def find(self, name: str, iteration: int | None = None) -> Task:
+        for t in self.tasks:
+            if t.name == name and (iteration is None or t.iteration == iteration):
+                return t
+        raise KeyError(f"no task {name!r} in iteration {iteration}")
+
+    def of_iteration(self, iteration: int) -> list[Task]:
+        return [t for t in self.tasks if t.iteration == iteration]
+
+    def end_of(self, iteration: int) -> float:
+        return max((t.end for t in self.of_iteration(iteration)), default=0.0)
+
+    def render(self, iteration: int | None = None) -> str:
+        """A plain text listing, handy when a test fails."""
+        rows = [t for t in self.tasks if iteration is None or t.iteration == iteration]
+        return "\n".join(
+            f"{t.iteration:>2} {t.stream:<7} {t.kind:<9} {t.name:<28} "
+            f"{t.start * 1e3:10.4f} -> {t.end * 1e3:10.4f} ms"
+            for t in rows
+        )

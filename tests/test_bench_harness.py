@@ -1,0 +1,140 @@
+"""The bench harness: validation before anything starts, failing methods, derived rows.
+
+Most tests use a stand-in launcher that writes the summary a trainer would, so the harness
+logic is tested in milliseconds; one test runs the real trainer end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lowcomm.bench import harness, netns
+from lowcomm.bench.cli import split_methods
+from lowcomm.errors import UsageError
+
+# per-method (iteration seconds, bytes per iteration, compress seconds) for the fake trainer
+FAKE = {"nocomm": (0.2, 0.0, 0.0), "ssgd": (1.0, 8e6, 0.0), "fp16": (0.6, 4e6, 0.01)}
+
+
+def fake_launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
+    method = worker_args[worker_args.index("--method") + 1]
+    path = Path(worker_args[worker_args.index("--json") + 1])
+    if method not in FAKE:
+        os.write(1, b"RuntimeError: worker blew up in backward\n")  # as a worker process would
+        return 1
+    it, b, comp = FAKE[method]
+    path.write_text(json.dumps({
+        "method": method, "iter_time_s_median": it, "bytes_per_worker_per_iter": b,
+        "breakdown_s": {"forward": it / 3, "backward": it / 3, "compress": comp}, "history": [],
+    }))
+    return 0
+
+
+def config(tmp_path: Path, methods: list[str], net: str = "none", **kw: Any) -> harness.BenchConfig:
+    return harness.BenchConfig(methods=methods, nets=[netns.parse_net(net)], nproc=2, model="cnn1d",
+                               batch_size=16, work_dir=str(tmp_path), quiet=True, **kw)
+
+
+def test_failing_method_becomes_a_failed_row_and_others_are_reported(tmp_path: Path) -> None:
+    result = harness.run_bench(config(tmp_path, ["ssgd", "signum", "fp16"]), launcher=fake_launcher)
+    rows = {r["method"]: r for r in result["runs"]}
+    assert rows["signum"]["status"] == "failed"
+    assert "worker blew up" in rows["signum"]["reason"]
+    assert rows["ssgd"]["status"] == rows["fp16"]["status"] == "ok"
+    assert rows["fp16"]["speedup_vs_ssgd"] == pytest.approx(1.0 / 0.6)
+    bw = result["network"]["measured_bits_per_s"]
+    assert rows["fp16"]["lower_bound_s"] == pytest.approx(max(0.2, 4e6 * 8 / bw) + 0.01)
+    assert rows["nocomm"]["iter_time_s_median"] == 0.2  # compute-only reference measured first
+    assert result["network"]["emulated"] is False
+
+
+def test_unknown_method_is_refused_before_anything_runs() -> None:
+    with pytest.raises(UsageError, match="unknown method.*'nosuch'.*valid:"):
+        harness.validate_methods(["ssgd", "nosuch"])
+
+
+def test_method_list_keeps_options_together() -> None:
+    assert split_methods("ssgd,topk:density=0.01,k=2,fp16") == ["ssgd", "topk:density=0.01,k=2", "fp16"]
+
+
+def test_world_size_the_machine_cannot_hold_is_refused() -> None:
+    with pytest.raises(UsageError, match="CPU core"):
+        harness.check_capacity(17, "cnn1d", cpus=2, available_bytes=10**12)
+    with pytest.raises(UsageError, match="GB"):
+        harness.check_capacity(4, "cnn1d", cpus=64, available_bytes=int(1e9))
+    harness.check_capacity(4, "cnn1d", cpus=2, available_bytes=int(16e9))
+
+
+def test_cli_refuses_unknown_method_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from lowcomm.cli import main
+
+    assert main(["bench", "--methods", "ssgd,bogus", "--net", "none"]) == 2
+    assert "bogus" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(netns.netns_support() is not None, reason="needs root and iproute2 for netns")
+def test_unreachable_rate_marks_rows_failed_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(harness, "REACHABLE_FRACTION", 10.0)  # no link can reach 10x its rate
+    result = harness.run_bench(config(tmp_path, ["ssgd"], net="100mbit"), launcher=fake_launcher)
+    assert result["runs"][0]["status"] == "failed" and "unreachable" in result["runs"][0]["reason"]
+    assert not [n for n in netns.list_namespaces() if n.startswith(f"lcb{os.getpid()}")]
+
+
+def test_time_to_accuracy_mode_records_curves_per_method(tmp_path: Path) -> None:
+    def tta_launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
+        assert "--epochs" in worker_args and "--no-eval" not in worker_args
+        path = Path(worker_args[worker_args.index("--json") + 1])
+        hist = [{"event": "eval", "epoch": e, "wall_s": 2.0 * e, "test_accuracy": 0.3 + 0.1 * e} for e in (1, 2)]
+        path.write_text(json.dumps({"iter_time_s_median": 0.1, "bytes_per_worker_per_iter": 1e3,
+                                    "breakdown_s": {}, "history": hist}))
+        return 0
+
+    cfg = config(tmp_path, ["ssgd", "fp16"], epochs=2)
+    result = harness.run_bench(cfg, launcher=tta_launcher)
+    assert [r["method"] for r in result["runs"]] == ["ssgd", "fp16"]  # no nocomm run in this mode
+    assert result["runs"][1]["accuracy_curve"] == [
+        {"epoch": 1, "wall_s": 2.0, "test_accuracy": 0.4}, {"epoch": 2, "wall_s": 4.0, "test_accuracy": 0.5}]
+    from lowcomm.bench import report
+
+    names = [f.name for f in report.plot(result, tmp_path / "tta.png")]
+    assert names == ["tta.png", "tta_accuracy.png"]
+
+
+def test_real_workers_run_end_to_end_on_the_emulated_network(tmp_path: Path) -> None:
+    """Two real `lowcomm train` workers (namespaces when root, loopback otherwise)."""
+    cfg = harness.BenchConfig(methods=["ssgd"], nets=[netns.parse_net("100mbit")], nproc=2, model="mlp",
+                              data="mnist1d", input_shape=None, batch_size=16, iters=2, warmup=1, threads=1,
+                              compute_only=False, work_dir=str(tmp_path), quiet=True, timeout_s=120)
+    result = harness.run_bench(cfg)
+    run = result["runs"][0]
+    assert run["status"] == "ok", run.get("reason")
+    assert run["bytes_per_worker_per_iter"] > 0 and run["iter_time_s_median"] > 0
+    assert run["speedup_vs_ssgd"] == pytest.approx(1.0)
+    assert result["network"]["emulated"] is (netns.netns_support() is None)
+    assert not [n for n in netns.list_namespaces() if n.startswith(f"lcb{os.getpid()}")]
+
+
+def test_timing_runs_start_compressing_after_warmup_unless_told_otherwise(tmp_path: Path) -> None:
+    cfg = config(tmp_path, ["ssgd"], warmup=3)
+    assert harness.timing_spec("powersgd:rank=2", cfg) == "powersgd:rank=2,start_iter=3"
+    assert harness.timing_spec("topk", cfg) == "topk:start_iter=3"
+    assert harness.timing_spec("topk:start_iter=7", cfg) == "topk:start_iter=7"
+    assert harness.timing_spec("ssgd", cfg) == "ssgd"
+    assert harness.timing_spec("powersgd", config(tmp_path, ["ssgd"], epochs=1)) == "powersgd"
+
+
+def test_without_namespace_support_runs_on_loopback_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(netns, "netns_support", lambda: "network namespaces need root")
+    result = harness.run_bench(config(tmp_path, ["ssgd"], net="100mbit"), launcher=fake_launcher)
+    net = result["network"]
+    assert net["emulated"] is False and "need root" in net["note"] and net["requested"] == "100mbit"
+    assert net["measured_bits_per_s"] > 0  # the loopback link was still probed
+    assert result["runs"][-1]["status"] == "ok"
+    from lowcomm.bench import report
+
+    assert "loopback, not emulated" in report.markdown(result)

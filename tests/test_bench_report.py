@@ -1,0 +1,60 @@
+"""Reports are generated from a recorded bench JSON alone (no re-run needed)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from lowcomm.bench import report
+
+RECORDED = Path(__file__).parent / "data" / "bench_result.json"
+
+
+@pytest.fixture
+def result() -> dict:
+    return report.load_json(RECORDED)
+
+
+def test_recorded_json_has_the_contract_keys(result: dict) -> None:
+    assert {"requested", "measured_bits_per_s", "rtt_ms", "emulated"} <= set(result["network"])
+    for run in result["runs"]:
+        if run["status"] == "ok":
+            assert {"method", "iter_time_s_median", "samples_per_s", "bytes_per_worker_per_iter",
+                    "speedup_vs_ssgd", "breakdown_s", "lower_bound_s"} <= set(run)
+
+
+def test_markdown_has_one_row_per_method_and_lists_failures(result: dict) -> None:
+    result = copy.deepcopy(result)
+    result["runs"].append({"method": "broken", "net": result["network"]["requested"], "status": "failed",
+                           "reason": "exit code 1: RuntimeError: boom"})
+    md = report.markdown(result)
+    ok = [r for r in result["runs"] if r["status"] == "ok"]
+    table_rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| method")]
+    assert len(table_rows) == len(ok)
+    for r in ok:
+        assert any(row.startswith(f"| {r['method']}") for row in table_rows)
+        assert f"{r['iter_time_s_median'] * 1e3:.1f}" in md
+    assert "broken: FAILED — exit code 1: RuntimeError: boom" in md
+    assert f"{result['world_size']} workers" in md and result["model"] in md
+
+
+def test_plot_writes_breakdown_png_and_sweep_writes_speedup_png(result: dict, tmp_path: Path) -> None:
+    files = report.plot(result, tmp_path / "bench.png")
+    assert [f.name for f in files] == ["bench.png"]
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    sweep = copy.deepcopy(result)
+    net2 = dict(sweep["network"], requested="1gbit", measured_bits_per_s=sweep["network"]["measured_bits_per_s"] * 10)
+    sweep["networks"] = [sweep["network"], net2]
+    sweep["runs"] += [dict(r, net="1gbit") for r in result["runs"]]
+    names = [f.name for f in report.plot(sweep, tmp_path / "sweep.png")]
+    assert names == ["sweep.png", "sweep_speedup.png"]
+
+
+def test_terminal_table_prints_every_method(result: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    report.print_table(result)
+    out = capsys.readouterr().out
+    for r in result["runs"]:
+        assert r["method"] in out
+    assert "lower bound" in out
