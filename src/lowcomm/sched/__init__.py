@@ -8,10 +8,12 @@ from __future__ import annotations
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
 from lowcomm.sched.engine import Engine, Mode, ScheduledModule
 from lowcomm.sched.groups import collect_units, fuse_by_threshold
+from lowcomm.sched.lowrank import LowRankCodec
 
 __all__ = [
     "AlphaBeta",
     "Engine",
+    "LowRankCodec",
     "Mode",
     "ScheduledModule",
     "collect_units",

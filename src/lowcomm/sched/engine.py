@@ -24,6 +24,14 @@ Three modes (:class:`Mode`):
   state only for the shard); the forward pre-hooks all-gather the updated parameters one
   group ahead of the forward.
 
+Low-rank payloads (``codec``, :mod:`lowcomm.sched.lowrank`): once the codec is active, a
+complete group is encoded (ACP-SGD: one fused buffer of uncompressed tensors and P *or* Q
+factors; PowerSGD: ``[unc, P]`` all-reduced synchronously at launch, then ``Q``) and that
+buffer travels instead of the gradient — all-reduced in ``allreduce`` mode, reduce-scattered
+in backward and all-gathered before the next forward in ``dear`` mode (ACP-SGD only: its
+message is a plain sum). The decode writes the averaged gradient into the group's buffer,
+from where it reaches ``p.grad`` exactly as an uncompressed one would.
+
 ``flush()`` completes every pending all-gather (and, for ``dear``, update) so the weights are
 whole; call it before evaluation or a checkpoint. For ``shard`` it also gathers the sharded
 optimizer state into the user's optimizer, so ``optimizer.state_dict()`` on rank 0 is a full,
@@ -46,6 +54,7 @@ from lowcomm.comm import accounting
 from lowcomm.runtime import timing
 from lowcomm.errors import UsageError
 from lowcomm.sched.groups import Group, Unit, build_groups, collect_units
+from lowcomm.sched.lowrank import LowRankCodec, Message
 
 
 class Mode(str, Enum):
@@ -71,8 +80,10 @@ class Engine:
         tag: str = "sched",
         sizes: list[int] | None = None,
         broadcast_buffers: bool = True,
+        codec: LowRankCodec | None = None,
     ) -> None:
         self.model = model
+        self.codec = codec
         self.mode = Mode(mode)
         self.pg = process_group
         self.tag = tag
@@ -133,6 +144,8 @@ class Engine:
         """Re-fuse the units (forward-order unit counts per group). Nothing may be pending."""
         if any(g.pending or g.launched or g.ready for g in self.groups):
             raise RuntimeError("cannot regroup while communication is pending; flush() first")
+        if any(g.msg is not None for g in self.groups):
+            raise RuntimeError("cannot regroup while a low-rank payload is pending; flush() first")
         if self.mode is Mode.SHARD and self.shard_opt is not None:
             raise RuntimeError("lee18 shards cannot be regrouped after the first step")
         self.groups = build_groups(self.units, list(sizes), self.world)
@@ -182,6 +195,9 @@ class Engine:
         if g.padded > g.numel:
             g.flat[g.numel :].zero_()
         g.launched = True
+        if self.codec is not None and self.codec.active:
+            self._launch_compressed(g)
+            return
         if not self.distributed:
             if self.mode is not Mode.ALLREDUCE:
                 g.shard.copy_(g.flat)
@@ -191,6 +207,25 @@ class Engine:
         else:
             g.work = accounting.reduce_scatter_tensor(
                 g.shard, g.flat, group=self.pg, async_op=True, tag=f"{self.tag}.rs"
+            )
+
+    def _launch_compressed(self, g: Group) -> None:
+        assert self.codec is not None
+        codec, ctag = self.codec, f"{self.tag}.{self.codec.kind}"
+        msg = codec.begin(g, pad_to=self.world if self.mode is Mode.DEAR else 1)
+        while not msg.final:  # PowerSGD's P: needed before Q can be computed
+            if self.distributed:
+                accounting.all_reduce(msg.buf, group=self.pg, tag=f"{ctag}.{msg.name}")
+            msg = codec.advance(msg)
+        g.msg = msg
+        if not self.distributed:
+            return
+        if self.mode is Mode.ALLREDUCE:
+            g.work = accounting.all_reduce(msg.buf, group=self.pg, async_op=True, tag=f"{ctag}.{msg.name}")
+        else:
+            msg.shard = msg.buf.new_empty(msg.buf.numel() // self.world)
+            g.work = accounting.reduce_scatter_tensor(
+                msg.shard, msg.buf, group=self.pg, async_op=True, tag=f"{ctag}.{msg.name}.rs"
             )
 
     def _missing(self) -> list[tuple[Group, int]]:
@@ -218,8 +253,16 @@ class Engine:
             if g.work is not None:
                 g.work.wait()  # type: ignore[attr-defined]
                 g.work = None
-            if self.mode is Mode.ALLREDUCE:
-                g.flat.div_(self.world)
+            msg = g.msg
+            if msg is not None and self.mode is Mode.DEAR:
+                pass  # summed factor shard: all-gathered and decoded before the next forward
+            elif self.mode is Mode.ALLREDUCE:
+                if msg is not None:
+                    assert self.codec is not None
+                    self.codec.finish(msg)  # type: ignore[arg-type]
+                    g.msg = None
+                else:
+                    g.flat.div_(self.world)
                 for i, p in enumerate(g.params):
                     avg = g.slice_of(i).view_as(p)
                     if p.grad is None:
@@ -232,6 +275,8 @@ class Engine:
             g.launched = False
         self._launch_ptr = 0
         self.steps += 1
+        if self.codec is not None:
+            self.codec.step += 1
         if self.profiling:
             self.ready_profile.append(list(self._unit_ready))
             self._unit_ready = [0.0] * len(self.units)
@@ -268,6 +313,17 @@ class Engine:
     def _launch_ag(self, g: Group) -> None:
         if not g.pending or g.ag_work is not None:
             return
+        msg: Message | None = g.msg  # type: ignore[assignment]
+        if msg is not None:  # DeAR + ACP-SGD: gather the summed factor shards
+            if self.distributed:
+                assert self.codec is not None
+                tag = f"{self.tag}.{self.codec.kind}.{msg.name}.ag"
+                g.ag_work = accounting.all_gather_into_tensor(
+                    msg.buf, msg.shard, group=self.pg, async_op=True, tag=tag
+                )
+            else:
+                g.ag_work = True
+            return
         src = g.shard if self.mode is Mode.DEAR else g.param_shard  # type: ignore[attr-defined]
         if not self.distributed:
             g.flat.copy_(src)
@@ -297,6 +353,10 @@ class Engine:
             if nxt.pending:
                 self._launch_ag(nxt)
                 break
+        if g.msg is not None:
+            assert self.codec is not None
+            self.codec.finish(g.msg)  # type: ignore[arg-type]  # averaged gradient -> g.flat
+            g.msg = None
         if self.mode is Mode.DEAR:
             self._apply_dear_update(g)
         else:
@@ -460,6 +520,13 @@ class Engine:
         if self.mode is Mode.ALLREDUCE:
             params = [p for u in self.units for p in u.params]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        if self.codec is not None:  # refused from step 0, not only once compression starts
+            raise UsageError(
+                f"{self.tag}: gradient clipping is not available with compress="
+                f"{self.codec.kind if self.codec else '?'}: between backward and the step this "
+                "schedule holds only shards of the summed low-rank factors, not the gradient "
+                "(use wfbp/mgwfbp with compression, or dear without it)"
+            )
         if float(norm_type) != 2.0:
             raise UsageError(f"{self.tag}: only norm_type=2 clipping is supported, got {norm_type}")
         sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].shard.device)
@@ -489,12 +556,15 @@ class Engine:
         self._fwd_end = time.perf_counter()
 
     def describe(self) -> dict[str, Any]:
-        return {
+        d = {
             "mode": self.mode.value,
             "groups": len(self.groups),
             "group_sizes_units": list(self.sizes),
             "group_bytes": [g.numel * g.flat.element_size() for g in self.groups],
         }
+        if self.codec is not None:
+            d.update(self.codec.describe())
+        return d
 
 
 class ScheduledModule(nn.Module):

@@ -105,6 +105,7 @@ class Group:
     launched: bool = False
     pending: bool = False  # a deferred all-gather / update still has to happen
     ag_work: object | None = None
+    msg: object | None = None  # low-rank payload in flight (lowcomm.sched.lowrank.Message)
 
     @property
     def shard_numel(self) -> int:

@@ -19,32 +19,75 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting
+from lowcomm.comm.hooks.options import LowRankOptions
 from lowcomm.errors import UsageError, check_positive
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
 from lowcomm.sched.engine import Engine, Mode, ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
+from lowcomm.sched.lowrank import KINDS as LOWRANK_KINDS
+from lowcomm.sched.lowrank import LowRankCodec
 from lowcomm.sched.tune import MB, ThresholdTuner, window_time
 
 
-def _check_compress(method: str, compress: str) -> None:
-    """Which payload compressors compose with which schedule (see docs/scheduling.md)."""
+_GATHER = ("signsgd", "signum", "topk", "gtopk")
+_CASTS = ("fp16", "bf16")
+
+
+def _check_compress(method: str, compress: str) -> str:
+    """Which payload compressors compose with which schedule (see docs/scheduling.md).
+
+    Returns the normalized name (``none``, ``acpsgd`` or ``powersgd``) or raises."""
     c = compress.strip().lower()
     if c in ("", "none"):
-        return
-    gather = {"signsgd", "signum", "topk", "gtopk"}
-    if c in gather:
+        return "none"
+    collective = "reduce-scatter" if method in ("dear", "lee18") else "all-reduce"
+    if c in _GATHER:
         raise UsageError(
             f"{method} cannot carry compressor {c!r}: its payload is not sum-compatible (it is "
-            "all-gathered and decoded), while this schedule sums gradients with "
-            f"{'reduce-scatter' if method in ('dear', 'lee18') else 'all-reduce'}; use "
-            f"'--method {c}' on its own"
+            f"all-gathered and decoded), while this schedule sums gradients with {collective}; "
+            f"use '--method {c}' on its own"
         )
-    raise UsageError(
-        f"{method}: option compress={c!r} is not supported yet; valid: none "
-        "(low-rank ACP-SGD/PowerSGD buckets are planned, see docs/scheduling.md)"
-    )
+    if c not in LOWRANK_KINDS:
+        extra = " (fp16/bf16 casts are not offered by the engine: use '--method fp16' with DDP)" if c in _CASTS else ""
+        raise UsageError(f"{method}: unknown compress={c!r}{extra}; valid: none, acpsgd, powersgd")
+    if method == "lee18":
+        raise UsageError(
+            f"lee18 cannot carry compress={c}: each rank updates its own 1/P slice of the "
+            "parameters from its slice of the summed gradient, but a slice of summed low-rank "
+            "factors does not determine any slice of the gradient (each entry needs a full row "
+            "of P and of Q); use 'dear:compress=acpsgd' or 'wfbp:compress=acpsgd'"
+        )
+    if method == "dear" and c == "powersgd":
+        raise UsageError(
+            "dear cannot carry compress=powersgd: PowerSGD needs the complete summed P before "
+            "it can compute Q, so the reduce-scatter would have to be followed by an all-gather "
+            "inside backward (an all-reduce in two halves, nothing left to defer); use "
+            "'dear:compress=acpsgd' (one sum-compatible factor per step) or 'wfbp:compress=powersgd'"
+        )
+    return c
+
+
+@dataclass
+class CompressFields:
+    """``compress=acpsgd|powersgd`` and its options (same names and defaults as the DDP hooks)."""
+
+    compress: str = "none"
+    rank: int = 4
+    start_iter: int = 10
+    error_feedback: bool = True
+    min_compression_rate: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        LowRankOptions(  # validation with the hooks' messages
+            rank=self.rank,
+            start_iter=self.start_iter,
+            error_feedback=self.error_feedback,
+            min_compression_rate=self.min_compression_rate,
+            seed=self.seed,
+        )
 
 
 class EngineMethod(Method):
@@ -54,8 +97,9 @@ class EngineMethod(Method):
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
-        _check_compress(self.name, getattr(self.options, "compress", "none"))
+        self.compress = _check_compress(self.name, getattr(self.options, "compress", "none"))
         self.engine: Engine | None = None
+        self.codec: LowRankCodec | None = None
         self._pending_state: dict[str, Any] | None = None
 
     def initial_sizes(self, engine_units: int, model: nn.Module) -> list[int] | None:
@@ -65,15 +109,34 @@ class EngineMethod(Method):
         self.ctx = ctx
         if self.engine is not None:
             self.engine.remove_hooks()
+        codec = None
+        if self.compress != "none":
+            o = self.options
+            world = dist.get_world_size(ctx.process_group) if dist.is_initialized() else 1
+            codec = LowRankCodec(
+                model,
+                kind=self.compress,
+                rank=o.rank,
+                start_iter=o.start_iter,
+                error_feedback=o.error_feedback,
+                min_compression_rate=o.min_compression_rate,
+                seed=o.seed,
+                world=world,
+            )
+            if self.codec is not None:  # re-wrap: keep memory, factors and the step count
+                codec.load_state_dict(self.codec.state_dict())
+        self.codec = codec
         self.engine = Engine(
             model,
             mode=self.mode,
             process_group=ctx.process_group,
             tag=self.name,
             broadcast_buffers=getattr(self.options, "broadcast_buffers", True),
+            codec=codec,
         )
         self.setup(self.engine)
         if self._pending_state is not None:
+            self._apply_lowrank(self._pending_state)
             self._apply_state(self._pending_state)
             self._pending_state = None
         self.ddp = ScheduledModule(model, self.engine)
@@ -105,13 +168,25 @@ class EngineMethod(Method):
     def state_dict(self) -> dict[str, Any]:
         if self.engine is None:
             return dict(self._pending_state or {})
-        return {"group_sizes": list(self.engine.sizes), "steps": self.engine.steps}
+        d: dict[str, Any] = {"group_sizes": list(self.engine.sizes), "steps": self.engine.steps}
+        if self.codec is not None:
+            if any(g.msg is not None for g in self.engine.groups):
+                # DeAR keeps summed factors undecoded until the next forward; flush() (on every
+                # rank: it all-gathers) decodes them. Not done here: state_dict may run on rank 0 only.
+                raise RuntimeError(f"{self.name}: call flush() on every rank before state_dict()")
+            d["lowrank"] = self.codec.state_dict()
+        return d
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.engine is None:
             self._pending_state = dict(state)
         else:
+            self._apply_lowrank(state)
             self._apply_state(state)
+
+    def _apply_lowrank(self, state: dict[str, Any]) -> None:
+        if self.codec is not None and "lowrank" in state:
+            self.codec.load_state_dict(state["lowrank"])
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         sizes = state.get("group_sizes")
@@ -129,9 +204,8 @@ class EngineMethod(Method):
 
 # --------------------------------------------------------------------------------------------
 @dataclass
-class WFBPOptions:
+class WFBPOptions(CompressFields):
     broadcast_buffers: bool = True
-    compress: str = "none"
 
 
 @register
@@ -145,14 +219,14 @@ class WFBP(EngineMethod):
 
 # --------------------------------------------------------------------------------------------
 @dataclass
-class MGWFBPOptions:
+class MGWFBPOptions(CompressFields):
     alpha: float | None = None  # seconds per all-reduce; None: measured at start-up
     beta: float | None = None  # seconds per byte; None: measured at start-up
     profile_iters: int = 5
     broadcast_buffers: bool = True
-    compress: str = "none"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.profile_iters < 1:
             raise UsageError(f"mgwfbp: profile_iters must be >= 1, got {self.profile_iters}")
         for k in ("alpha", "beta"):
@@ -259,18 +333,18 @@ def _agree_float(value: float, engine: Engine, *, tag: str) -> float:
 
 # --------------------------------------------------------------------------------------------
 @dataclass
-class DeAROptions:
+class DeAROptions(CompressFields):
     threshold_mb: float = 25.0  # fusion buffer size; 0 = one group per layer
     tune: bool = False  # Bayesian optimization of threshold_mb (DeAR section V)
     tune_trials: int = 10
     tune_iters: int = 5  # measured iterations per trial (one more is discarded)
     tune_min_mb: float = 1.0
     tune_max_mb: float = 256.0
-    seed: int = 0
+    seed: int = 0  # tuner and low-rank factor init
     broadcast_buffers: bool = True
-    compress: str = "none"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_positive("dear: threshold_mb", self.threshold_mb, allow_zero=True)
         if self.tune_trials < 1 or self.tune_iters < 1:
             raise UsageError("dear: tune_trials and tune_iters must be >= 1")
