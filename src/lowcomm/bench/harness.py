@@ -18,6 +18,7 @@ the reason; the remaining methods still run. A network the machine cannot shape 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import re
@@ -222,7 +223,7 @@ def run_method(
             master_addr=cluster.addresses[0],
             master_port=MASTER_PORT,
             rank_prefix=cluster.exec_prefix,
-            rank_env=lambda r: {"GLOO_SOCKET_IFNAME": cluster.ifname},
+            rank_env=lambda r: {"GLOO_SOCKET_IFNAME": cluster.ifname, "LOWCOMM_MEASURE_IFACE": cluster.ifname},
         )
     else:
         kw.update(rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
@@ -239,10 +240,10 @@ def run_method(
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
         row.update(status="failed", reason=failure_reason(text, code) if code else "no summary JSON written")
         return row
-    summary = __import__("json").loads(json_path.read_text())
+    summary = json.loads(json_path.read_text())
     row.update(status="ok")
     for key in ("iter_time_s_median", "bytes_per_worker_per_iter", "bytes_sent_per_worker", "breakdown_s",
-                "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic"):
+                "measured_tx_bytes_per_iter", "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic"):
         if key in summary:
             row[key] = summary[key]
     if cfg.tta:

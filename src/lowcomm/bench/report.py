@@ -258,8 +258,8 @@ def plot_breakdown(result: dict[str, Any], path: Path) -> Path:
 def plot_speedup(result: dict[str, Any], path: Path) -> Path:
     """Speed-up over ssgd against measured bandwidth, one line per method."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    methods = []
+    fig, ax = plt.subplots(figsize=(8.0, 4.8))
+    methods: list[str] = []
     for r in result.get("runs", []):
         if r["method"] not in methods and r["method"] not in ("ssgd",):
             methods.append(r["method"])
@@ -272,13 +272,16 @@ def plot_speedup(result: dict[str, Any], path: Path) -> Path:
                     pts.append((bw / 1e6, r["speedup_vs_ssgd"]))
         if pts:
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
+            i = methods.index(m)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDP*Xh<>p"[i % 12],
+                    color=plt.get_cmap("tab20")(i % 20), ls=":" if m == "nocomm" else "-",
+                    label="nocomm (compute only)" if m == "nocomm" else m)
     ax.axhline(1.0, color="black", lw=0.8, ls="--", label="ssgd")
     ax.set_xscale("log")
     ax.set_xlabel("measured link bandwidth (Mbit/s, log scale)")
     ax.set_ylabel("speed-up over ssgd (x)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(
         f"Speed-up vs bandwidth — {result.get('model')}, {result.get('world_size')} workers", fontsize=10
     )

@@ -183,6 +183,26 @@ class LastGradClock:
         self._handles = []
 
 
+class InterfaceCounter:
+    """Bytes this host really transmitted on one network interface (Linux sysfs).
+
+    Set ``LOWCOMM_MEASURE_IFACE`` (the benchmark sets it to each worker's emulated link) to
+    record, next to the bytes counted by the accounting layer, what actually left the
+    worker, TCP/IP headers and any collective-algorithm overhead included.
+    """
+
+    def __init__(self, iface: str | None) -> None:
+        self.path = f"/sys/class/net/{iface}/statistics/tx_bytes" if iface else None
+        if self.path and not os.path.exists(self.path):
+            self.path = None
+
+    def read(self) -> int | None:
+        if self.path is None:
+            return None
+        with open(self.path) as f:
+            return int(f.read())
+
+
 class Trainer:
     """Builds everything from a :class:`TrainConfig` and runs the loop on this rank."""
 
@@ -227,6 +247,8 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
         self.step_bytes: list[int] = []
         self.step_times: list[float] = []
+        self.iface = InterfaceCounter(os.environ.get("LOWCOMM_MEASURE_IFACE"))
+        self.step_tx: list[int] = []
         self.log_file = open(cfg.log, "a") if cfg.log and self.dist.is_main else None
         self.tb: Any = None
         if cfg.tensorboard and self.dist.is_main:
@@ -447,8 +469,11 @@ class Trainer:
             for x, y in self.train_batches.epoch(epoch, first):
                 self.timer.add("data", time.perf_counter() - data_start)
                 bytes_before = led.wire_bytes
+                tx_before = self.iface.read()
                 step_start = time.perf_counter()
                 loss = self.train_step(x, y)
+                if tx_before is not None:
+                    self.step_tx.append(int(self.iface.read() or 0) - tx_before)
                 phases = self.timer.end_step()
                 step_time = time.perf_counter() - step_start + phases.get("data", 0.0)
                 self.step_times.append(step_time)
@@ -512,6 +537,7 @@ class Trainer:
             "bytes_sent_per_worker": led.wire_bytes,
             "bytes_per_worker_per_iter": float(np.median(bytes_iter)) if bytes_iter else 0.0,
             "iter_time_s_median": iter_median,
+            "measured_tx_bytes_per_iter": float(np.median(self.step_tx[skip:])) if self.step_tx[skip:] else None,
             "samples_per_s": self.cfg.batch_size * self.dist.world_size / iter_median if iter_median else 0.0,
             "breakdown_s": self.timer.medians(skip),
             "timed_steps": len(times),
