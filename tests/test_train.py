@@ -73,3 +73,13 @@ def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: 
 def test_unknown_subcommand_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fly"]) == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_demo_runs_the_benchmark_on_embedded_data(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    argv = ["demo", "--nproc", "2", "--epochs", "1", "--methods", "ssgd", "--net", "none", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "demo.json").read_text())
+    (row,) = [r for r in result["runs"] if r["method"] == "ssgd"]
+    assert row["status"] == "ok" and row["final_test_accuracy"] > 0.1
+    assert (out / "demo.png").exists()

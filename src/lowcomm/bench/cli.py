@@ -61,6 +61,8 @@ def register(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default cores/nproc)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per method (default 900)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the nocomm run (no lower bound)")
+    p.add_argument("--no-predict", action="store_true",
+                   help="skip the simulator's predictions (no profiling, no collective probe)")
     p.add_argument("--work-dir", default=None, help="keep per-method logs and summaries here")
     p.add_argument("--json", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write the breakdown PNG here (+ _speedup/_accuracy PNGs)")
@@ -115,7 +117,7 @@ def build_config(args: argparse.Namespace) -> Any:
         iters=args.iters, warmup=args.warmup, epochs=args.epochs, threads=threads,
         timeout_s=args.timeout, work_dir=args.work_dir, compute_only=not args.no_compute_only,
         extra_train_args=[a for kv in args.model_arg for a in ("--model-arg", _check_kv(kv))] + list(args.train_arg),
-        quiet=args.quiet,
+        quiet=args.quiet, predict=not args.no_predict,
     )
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from lowcomm.bench import bounds, netns, probe
+from lowcomm.bench import bounds, collprobe, netns, prediction, probe
 from lowcomm.bench.netns import NetSpec
 from lowcomm.errors import UsageError
 
@@ -56,6 +56,7 @@ class BenchConfig:
     compute_only: bool = True  # run `nocomm` for the lower bound
     extra_train_args: list[str] = field(default_factory=list)
     quiet: bool = False
+    predict: bool = True  # profile + collective probe + simulator prediction per row
 
     @property
     def tta(self) -> bool:
@@ -319,8 +320,34 @@ def _probe_dict(p: probe.ProbeResult) -> dict[str, Any]:
     return {"measured_bits_per_s": p.measured_bits_per_s, "rtt_ms": p.rtt_ms, "probe_directions": p.directions}
 
 
-def run_bench(cfg: BenchConfig, *, launcher: Launcher | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every method on every network; return the result dict (see DESIGN.md section 3)."""
+def _profile(cfg: BenchConfig) -> Any:
+    """The simulator's profile of the bench's model, measured here with the workers' settings."""
+    if "--model-arg" in cfg.extra_train_args:
+        raise UsageError("predictions do not support --model-arg yet (the profile would be of the default model)")
+    return prediction.measure(model=cfg.model, batch_size=cfg.batch_size, input_shape=cfg.input_shape,
+                              threads=cfg.threads)
+
+
+def _collectives(cfg: BenchConfig, cluster: netns.Cluster | None, bits_per_s: float | None, work: Path) -> dict[str, Any]:
+    return collprobe.run(cfg.nproc, bits_per_s=bits_per_s, threads=cfg.threads or 1, cluster=cluster,
+                         work_dir=work)
+
+
+def run_bench(
+    cfg: BenchConfig,
+    *,
+    launcher: Launcher | None = None,
+    log: Callable[[str], None] | None = None,
+    profiler: Callable[[BenchConfig], Any] | None = None,
+    collective_probe: Callable[..., dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Run every method on every network; return the result dict (see DESIGN.md section 3).
+
+    With ``cfg.predict`` (timing mode only) the model is profiled once and every network's
+    collectives are probed, and each row gets the simulator's ``predicted_iter_time_s``
+    (:mod:`lowcomm.bench.prediction`). ``profiler``/``collective_probe`` replace the real
+    measurements in tests.
+    """
     say = log or (lambda s: None if cfg.quiet else print(s, file=sys.stderr, flush=True))
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lowcomm-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -350,6 +377,21 @@ def run_bench(cfg: BenchConfig, *, launcher: Launcher | None = None, log: Callab
     }
     compute_only: float | None = None
     started = time.perf_counter()
+    profile = None
+    predict = cfg.predict and not cfg.tta
+    if predict:
+        say("lowcomm bench: profiling the model for the simulator's predictions ...")
+        try:
+            profile = (profiler or _profile)(cfg)
+            result["prediction"] = {"profile": {"model": profile.model, "batch_size": profile.batch_size,
+                                                "forward_s": profile.forward_s, "backward_s": profile.backward_s,
+                                                "optimizer_s": profile.optimizer_s,
+                                                "threads": cfg.threads, "device": profile.device}}
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - predictions are an extra; the bench still runs
+            result["prediction"] = {"error": f"{type(e).__name__}: {e}"}
+            say(f"  no predictions: {result['prediction']['error']}")
     for n_idx, spec in enumerate(cfg.nets):
         say(f"lowcomm bench: network {spec.label()}")
         try:
@@ -366,6 +408,16 @@ def run_bench(cfg: BenchConfig, *, launcher: Launcher | None = None, log: Callab
                         result["runs"].append({"method": m, "net": spec.requested, "status": "failed",
                                                "reason": info["error"]})
                     continue
+                if profile is not None:
+                    say("  probing gloo collectives (latency and bandwidth per kind) ...")
+                    try:
+                        info["collectives"] = (collective_probe or _collectives)(cfg, cluster, bw, work)
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except Exception as e:  # noqa: BLE001
+                        info["collectives"] = {"error": f"{type(e).__name__}: {e}"}
+                    if info["collectives"].get("error"):
+                        say(f"  {info['collectives']['error']}; predictions use alpha = RTT/2")
                 rows: list[dict[str, Any]] = []
                 order = list(methods)
                 # compute-only is measured on every network, right before its methods: on a shared
@@ -396,6 +448,14 @@ def run_bench(cfg: BenchConfig, *, launcher: Launcher | None = None, log: Callab
                             compute_only_s=compute_only,
                             ssgd_iter_s=ssgd["iter_time_s_median"] if ssgd else None,
                         ))
+                if profile is not None:
+                    try:
+                        info["prediction"] = prediction.add_predictions(rows, profile, info, workers=cfg.nproc)
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except Exception as e:  # noqa: BLE001
+                        info["prediction"] = {"error": f"{type(e).__name__}: {e}"}
+                        say(f"  no predictions: {info['prediction']['error']}")
                 result["runs"].extend(rows)
         except UsageError as e:  # e.g. a delay this kernel cannot emulate
             if len(result["networks"]) == n_idx:

@@ -28,11 +28,24 @@ COLUMNS = (
 
 
 TTA_COLUMNS = (("test acc %", "final_test_accuracy"), ("train s", "_train_s"))
+#: bytes the worker's emulated interface really transmitted (payload + TCP/IP headers)
+TX_COLUMN = ("MB sent (IP)", "measured_tx_bytes_per_iter")
+#: the simulator's prediction and its error, after the measured time
+PREDICTION_COLUMNS = (("pred ms", "predicted_iter_time_s"), ("pred err", "prediction_error"))
 
 
 def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """The table's columns; time-to-accuracy runs add final accuracy and training time."""
-    return COLUMNS + (TTA_COLUMNS if result.get("epochs") else ())
+    """The table's columns. Optional ones appear when some run has them: measured interface
+    bytes next to the counted MB, the simulator's prediction next to the measured time, and
+    for time-to-accuracy runs final accuracy and training time."""
+    runs = result.get("runs", [])
+    cols = list(COLUMNS)
+    if any(r.get("measured_tx_bytes_per_iter") is not None for r in runs):
+        cols.insert(cols.index(("MB/worker/iter", "bytes_per_worker_per_iter")) + 1, TX_COLUMN)
+    if any(r.get("predicted_iter_time_s") is not None for r in runs):
+        at = cols.index(("iter ms", "iter_time_s_median")) + 1
+        cols[at:at] = PREDICTION_COLUMNS
+    return tuple(cols) + (TTA_COLUMNS if result.get("epochs") else ())
 
 
 def _fmt(key: str, run: dict[str, Any]) -> str:
@@ -54,8 +67,10 @@ def _fmt(key: str, run: dict[str, Any]) -> str:
         return "-"
     if key == "method":
         return str(v) + (" (compute only)" if v == "nocomm" else "")
-    if key == "bytes_per_worker_per_iter":
+    if key in ("bytes_per_worker_per_iter", "measured_tx_bytes_per_iter"):
         return f"{v / 1e6:.3g}"
+    if key == "prediction_error":
+        return f"{100 * v:+.0f}%"
     if key == "samples_per_s":
         return f"{v:.1f}"
     if key in ("speedup_vs_ssgd", "bound_ratio"):
@@ -117,6 +132,30 @@ def noise_warning(runs: Iterable[dict[str, Any]]) -> str | None:
             "re-run on an idle machine for trustworthy ratios")
 
 
+def prediction_note(net: dict[str, Any]) -> str | None:
+    """One line saying how the simulator was calibrated on this network (or why it was not)."""
+    pred = net.get("prediction")
+    if not pred:
+        return None
+    if pred.get("error"):
+        return f"prediction: failed ({pred['error']})"
+    parts = []
+    if pred.get("compute_scale"):
+        parts.append(f"profile compute x{pred['compute_scale']:.2f} to match nocomm")
+    else:
+        parts.append(pred.get("note", "compute not calibrated"))
+    nm = pred.get("network_model") or {}
+    alpha = nm.get("collective_alpha_s")
+    if alpha:
+        parts.append("alpha/step " + ", ".join(f"{k} {v * 1e3:.2g} ms" for k, v in alpha.items()))
+        scale = nm.get("collective_beta_scale") or {}
+        if scale:
+            parts.append("beta x " + ", ".join(f"{k} {v:.2f}" for k, v in scale.items()))
+    elif nm.get("alpha_s") is not None:
+        parts.append(f"alpha = RTT/2 = {nm['alpha_s'] * 1e3:.3g} ms (no collective probe)")
+    return "simulator: " + "; ".join(parts)
+
+
 def markdown(result: dict[str, Any]) -> str:
     """Markdown tables, one per network, with the failures listed under each."""
     out = []
@@ -133,6 +172,9 @@ def markdown(result: dict[str, Any]) -> str:
         warn = noise_warning(runs)
         if warn:
             out.append(f"\n_{warn}_")
+        note = prediction_note(net)
+        if note:
+            out.append(f"\n_{note}_")
         out.append("")
     return "\n".join(out)
 
@@ -161,6 +203,9 @@ def print_table(result: dict[str, Any]) -> None:
             console.print(warn, style="yellow", markup=False, highlight=False)
         if not net.get("emulated"):
             console.print(f"note: {network_label(net)}", markup=False, highlight=False)
+        note = prediction_note(net)
+        if note:
+            console.print(note, markup=False, highlight=False)
     if result.get("lower_bound_note"):
         console.print(result["lower_bound_note"], markup=False, highlight=False)
 

@@ -17,14 +17,23 @@ contributes to an all-gather, so ``n = P·n_local``):
   2(G-1)·α_i + 2(G-1)/G·n·β_i + 2(N-1)·α_e + 2(N-1)/N·(n/G)·β_e
 
 With P == 1 every collective costs nothing.
+
+**Per-collective calibration.** A real collective library does not reach one (α, β) for
+every collective: on gloo over TCP on a CPU box a small all-reduce costs milliseconds (the
+ring's 2(P-1) steps each wake a thread and copy), and gloo's all-to-all (which lowcomm's
+reduce-scatter uses on gloo) moves a byte more slowly than its ring all-reduce or
+all-gather. ``NetworkModel.collective_alpha`` (per-step α by collective kind) and
+``collective_beta_scale`` (β multiplier by kind, 1/efficiency) override the link's α and β
+for that kind; :mod:`lowcomm.sim.calibrate` fits both from a probe of the real library.
+Kinds: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``p2p``.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 from lowcomm.comm.accounting import wire_bytes
 from lowcomm.errors import UsageError
@@ -75,6 +84,10 @@ class NetworkModel:
     intra: Link | None = None
     gpus_per_node: int = 1
     name: str = "custom"
+    #: per-step latency (s) by collective kind, replacing ``inter.alpha_s`` for that kind
+    collective_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
+    #: β multiplier by collective kind (measured seconds per wire byte / link β)
+    collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -105,6 +118,19 @@ class NetworkModel:
     def alpha_s(self) -> float:
         return self.inter.alpha_s
 
+    def alpha_for(self, kind: str) -> float:
+        """Per-step α of collective ``kind`` (calibrated if known, else the link's)."""
+        return float(self.collective_alpha.get(kind, self.inter.alpha_s))
+
+    def beta_for(self, kind: str) -> float:
+        """Seconds per wire byte of collective ``kind`` (link β times its calibrated scale)."""
+        return self.inter.beta_s_per_byte * float(self.collective_beta_scale.get(kind, 1.0))
+
+    def with_calibration(self, alpha: Mapping[str, float], beta_scale: Mapping[str, float],
+                         **kw: Any) -> NetworkModel:
+        """A copy with per-collective α and β scale (see module docstring)."""
+        return replace(self, collective_alpha=dict(alpha), collective_beta_scale=dict(beta_scale), **kw)
+
     @property
     def beta_s_per_byte(self) -> float:
         return self.inter.beta_s_per_byte
@@ -116,6 +142,10 @@ class NetworkModel:
             "alpha_s": self.inter.alpha_s,
             "bandwidth_bits_per_s": self.inter.bandwidth_bits_per_s,
         }
+        if self.collective_alpha:
+            d["collective_alpha_s"] = dict(self.collective_alpha)
+        if self.collective_beta_scale:
+            d["collective_beta_scale"] = dict(self.collective_beta_scale)
         if self.algorithm == "hierarchical" and self.intra is not None:
             d.update(intra_alpha_s=self.intra.alpha_s,
                      intra_bandwidth_bits_per_s=self.intra.bandwidth_bits_per_s,
@@ -130,7 +160,7 @@ class NetworkModel:
             return 2 * math.ceil(math.log2(p)) * self.alpha_s + 2 * nbytes * self.beta_s_per_byte
         if self.algorithm == "hierarchical":
             return self._hierarchical_all_reduce(nbytes, p)
-        return ring_all_reduce(self.inter, nbytes, p)
+        return ring_all_reduce(Link(self.alpha_for("all_reduce"), self.beta_for("all_reduce")), nbytes, p)
 
     def _hierarchical_all_reduce(self, nbytes: float, p: int) -> float:
         assert self.intra is not None
@@ -145,22 +175,22 @@ class NetworkModel:
         """``nbytes`` is the full input tensor (each worker keeps 1/P of the result)."""
         if p <= 1:
             return 0.0
-        return (p - 1) * self.alpha_s + (p - 1) / p * nbytes * self.beta_s_per_byte
+        return (p - 1) * self.alpha_for("reduce_scatter") + (p - 1) / p * nbytes * self.beta_for("reduce_scatter")
 
     def all_gather(self, local_nbytes: float, p: int) -> float:
         """``local_nbytes`` is what one worker contributes; the output is P times that."""
         if p <= 1:
             return 0.0
-        return (p - 1) * self.alpha_s + (p - 1) * local_nbytes * self.beta_s_per_byte
+        return (p - 1) * self.alpha_for("all_gather") + (p - 1) * local_nbytes * self.beta_for("all_gather")
 
     def broadcast(self, nbytes: float, p: int) -> float:
         if p <= 1:
             return 0.0
-        return math.ceil(math.log2(p)) * (self.alpha_s + nbytes * self.beta_s_per_byte)
+        return math.ceil(math.log2(p)) * (self.alpha_for("broadcast") + nbytes * self.beta_for("broadcast"))
 
     def point_to_point(self, nbytes: float) -> float:
         """One exchange with a partner (a recursive-doubling round)."""
-        return self.alpha_s + nbytes * self.beta_s_per_byte
+        return self.alpha_for("p2p") + nbytes * self.beta_for("p2p")
 
 
 def ring_all_reduce(link: Link, nbytes: float, p: int) -> float:

@@ -1,0 +1,90 @@
+"""The simulator's prediction beside every measured bench row (issue 7, validation).
+
+Per bench invocation the model is profiled once, in this process, with the workers' torch
+thread count, batch size and input shape (:func:`measure`). Per network:
+
+* the **network model** is the TCP probe's bandwidth as β, and per-collective α and β scale
+  fitted from the collective probe (:mod:`lowcomm.bench.collprobe`) when it ran, else
+  α = RTT/2 (:func:`lowcomm.sim.calibrate.network_from_probe`);
+* the **compute** of the profile is scaled so that the predicted ``nocomm`` iteration equals
+  the measured ``nocomm`` run on that network (:func:`lowcomm.sim.calibrate.calibrate_compute`):
+  N workers sharing the machine's cores compute slower than one quiet profiling process,
+  and the ``nocomm`` run measures exactly that slow-down. The ``nocomm`` row therefore has
+  zero prediction error by construction; every other row is a real prediction.
+
+Each successful row gets ``predicted_iter_time_s`` (DESIGN.md's key), ``prediction_error``
+((predicted − measured) / measured), ``predicted_bytes_per_worker_per_iter`` and
+``predicted_breakdown_s``; a method the simulator has no schedule for (PyTorch's reference
+hooks) gets ``prediction_note`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowcomm.errors import UsageError
+
+
+def measure(*, model: str, batch_size: int, input_shape: str | None, threads: int | None,
+            iters: int = 5, warmup: int = 2) -> Any:
+    """Profile ``model`` here with the workers' settings; returns a :class:`~lowcomm.sim.Profile`."""
+    import torch
+
+    from lowcomm.sim.cli import measure_profile
+
+    shape = tuple(int(x) for x in input_shape.split(",")) if input_shape else None
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return measure_profile(model, batch_size, "cpu", iters=iters, warmup=warmup, input_shape=shape)
+    finally:
+        torch.set_num_threads(before)
+
+
+def network_model(info: dict[str, Any], workers: int) -> Any:
+    """The :class:`~lowcomm.sim.NetworkModel` of one bench network dict (probe results)."""
+    from lowcomm.sim.calibrate import network_from_probe
+
+    bits = info.get("measured_bits_per_s") or info.get("requested_bits_per_s")
+    if not bits:
+        raise ValueError("the network has no measured bandwidth")
+    coll = info.get("collectives")
+    if coll and coll.get("error"):
+        coll = None
+    return network_from_probe(bits_per_s=float(bits), rtt_s=(info.get("rtt_ms") or 0.0) / 1e3,
+                              workers=workers, collectives=coll, name=info.get("label"))
+
+
+def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
+                    workers: int) -> dict[str, Any]:
+    """Fill the prediction keys of every ok row in place; return what was used (for the JSON)."""
+    from lowcomm.sim import predict_iteration_time
+    from lowcomm.sim.calibrate import calibrate_compute
+
+    net = network_model(info, workers)
+    used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None}
+    nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
+    prof = profile
+    if nocomm:
+        prof, factor = calibrate_compute(profile, nocomm["iter_time_s_median"], workers=workers, network=net)
+        used["compute_scale"] = factor
+    else:
+        used["note"] = "no nocomm run: compute times are the profile's, not calibrated"
+    used["profile_compute_s"] = prof.compute_s
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        spec = r.get("spec_run") or r["method"]
+        try:
+            pred = predict_iteration_time(prof, spec, workers=workers, network=net)
+        except UsageError as e:
+            r["predicted_iter_time_s"] = None
+            r["prediction_note"] = str(e)
+            continue
+        r["predicted_iter_time_s"] = pred.iter_time_s
+        r["predicted_bytes_per_worker_per_iter"] = pred.wire_bytes_per_worker
+        r["predicted_breakdown_s"] = pred.breakdown_s
+        meas = r.get("iter_time_s_median")
+        r["prediction_error"] = (pred.iter_time_s - meas) / meas if meas else None
+    return used

@@ -1,0 +1,153 @@
+"""Fit the simulator to a real machine: per-collective α/β from a probe, compute from ``nocomm``.
+
+Why: the α-β model with α = RTT/2 and β = 1/link rate assumes the collective library costs
+nothing but the wire. On gloo over TCP on a CPU box that is far from true: a 4-byte
+all-reduce among 4 workers takes milliseconds (every ring step wakes a thread, copies and
+syscalls; the workers share the cores with each other), and gloo's all-to-all (lowcomm's
+reduce-scatter on gloo) moves a byte more slowly than its ring collectives. The probe
+(:mod:`lowcomm.bench.collprobe`) times each kind of collective twice, with a tiny payload
+(latency) and with a large one (bandwidth); this module turns the two times into the
+per-step α and the β scale of :class:`~lowcomm.sim.network.NetworkModel`:
+
+    α_k      = t_small,k / steps_k(P)
+    β_k      = (t_large,k − t_small,k) / wire_bytes_k(payload, P)
+    scale_k  = β_k / β_link
+
+with ``steps`` the latency steps of the formula the simulator uses for that kind (ring
+all-reduce 2(P−1), reduce-scatter and all-gather P−1, broadcast ⌈log₂P⌉) and ``wire_bytes``
+the accounting layer's count, so the fitted model reproduces both probe times exactly.
+
+Compute: a profile measured in one process on a quiet core is faster than the same model in
+N worker processes sharing the machine's cores. The bench measures ``nocomm`` (the same
+workers, no communication); :func:`calibrate_compute` scales every compute time of the
+profile (layers, optimizer, compression kernels) by measured / predicted ``nocomm``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Mapping
+
+from lowcomm.comm.accounting import wire_bytes
+from lowcomm.sim.network import NetworkModel
+from lowcomm.sim.profile import ComputeCosts, Profile
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def latency_steps(kind: str, p: int) -> int:
+    """Number of α terms in the simulator's formula for ``kind`` among ``p`` workers."""
+    if p <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (p - 1)
+    if kind in ("reduce_scatter", "all_gather", "all_to_all"):
+        return p - 1
+    if kind == "broadcast":
+        return math.ceil(math.log2(p))
+    raise ValueError(f"unknown collective kind {kind!r}; valid: {', '.join(KINDS)}")
+
+
+def probe_wire_bytes(kind: str, payload: int, p: int) -> int:
+    """Wire bytes per worker of one probe collective (``payload`` as the wrappers count it:
+    the full tensor for all-reduce/reduce-scatter/broadcast, one worker's part for all-gather).
+    Broadcast counts the root's bytes times the tree depth (what the slowest path carries)."""
+    if kind == "broadcast":
+        return payload * latency_steps(kind, p)
+    return wire_bytes(kind, payload, p)
+
+
+def fit_collectives(
+    *,
+    bits_per_s: float,
+    workers: int,
+    small_s: Mapping[str, float],
+    large: Mapping[str, tuple[int, float]] | None = None,
+    min_scale: float = 0.5,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-kind α (s per step) and β scale from probe times (see module docstring).
+
+    ``small_s[kind]`` is the median time of a tiny collective; ``large[kind]`` is
+    ``(payload_bytes, median seconds)`` of a large one. A kind without a large run keeps
+    scale 1. Scales are clamped to ``>= min_scale`` (a probe cannot make the wire faster
+    than half its measured rate; a lower figure is noise).
+    """
+    if bits_per_s <= 0:
+        raise ValueError(f"bits_per_s must be > 0, got {bits_per_s}")
+    beta = 8.0 / bits_per_s
+    alpha: dict[str, float] = {}
+    scale: dict[str, float] = {}
+    for kind, t in small_s.items():
+        steps = latency_steps(kind, workers)
+        if steps and t >= 0:
+            alpha[kind] = t / steps
+    for kind, (payload, t) in (large or {}).items():
+        wb = probe_wire_bytes(kind, int(payload), workers)
+        if wb <= 0:
+            continue
+        per_byte = (t - small_s.get(kind, 0.0)) / wb
+        scale[kind] = max(min_scale, per_byte / beta)
+    return alpha, scale
+
+
+def network_from_probe(
+    *,
+    bits_per_s: float,
+    rtt_s: float,
+    workers: int,
+    collectives: Mapping[str, Any] | None = None,
+    name: str | None = None,
+) -> NetworkModel:
+    """The network model a bench prediction uses: link β from the TCP probe, and when the
+    collective probe ran (``collectives`` = its JSON: ``small_s``, ``large``), per-kind α and
+    β scale fitted from it; otherwise α = RTT/2 for every kind."""
+    kw = {"name": name} if name else {}
+    net = NetworkModel.from_probe(bits_per_s, rtt_s, **kw)
+    if not collectives:
+        return net
+    large = {k: (int(v[0]), float(v[1])) for k, v in (collectives.get("large") or {}).items()}
+    alpha, scale = fit_collectives(bits_per_s=bits_per_s, workers=workers,
+                                   small_s=collectives.get("small_s") or {}, large=large)
+    return net.with_calibration(alpha, scale)
+
+
+# -- compute -----------------------------------------------------------------------------
+def scale_profile(profile: Profile, factor: float) -> Profile:
+    """A copy of ``profile`` with every compute time multiplied by ``factor`` (layers,
+    optimizer, compression kernels and codecs, and the factorized model's)."""
+    if factor <= 0 or not math.isfinite(factor):
+        raise ValueError(f"scale factor must be a positive number, got {factor}")
+    out = copy.deepcopy(profile)
+    for layer in out.layers:
+        layer.forward_s *= factor
+        layer.backward_s *= factor
+    out.optimizer_s *= factor
+    out.costs = ComputeCosts(**{k: v * factor for k, v in vars(out.costs).items()})
+    out.compressors = {name: {k: v * factor for k, v in c.items()} for name, c in out.compressors.items()}
+    if out.factorized is not None:
+        out.factorized = scale_profile(out.factorized, factor)
+    note = f"compute scaled x{factor:.3g} to match the measured nocomm run"
+    out.notes = f"{out.notes}; {note}" if out.notes else note
+    return out
+
+
+def calibrate_compute(profile: Profile, measured_nocomm_s: float, *, workers: int,
+                      network: NetworkModel) -> tuple[Profile, float]:
+    """Scale ``profile`` so that its predicted ``nocomm`` iteration equals the measured one.
+
+    Returns ``(scaled profile, factor)``. ``nocomm`` sends nothing, so its prediction is the
+    profile's forward + backward + optimizer and the factor is independent of the network.
+    """
+    from lowcomm.sim.predict import predict_iteration_time
+
+    predicted = predict_iteration_time(profile, "nocomm", workers=workers, network=network).iter_time_s
+    if predicted <= 0 or measured_nocomm_s <= 0:
+        raise ValueError("cannot calibrate compute: nocomm time must be > 0 "
+                         f"(measured {measured_nocomm_s}, predicted {predicted})")
+    factor = measured_nocomm_s / predicted
+    return scale_profile(profile, factor), factor
+
+
+__all__ = ["KINDS", "calibrate_compute", "fit_collectives", "latency_steps", "network_from_probe",
+           "probe_wire_bytes", "scale_profile"]
