@@ -96,6 +96,8 @@ CONFIGS: list[Config] = [
     Config("acpsgd_r8", "acpsgd:rank=8", "issue3", default=False),
     Config("signsgd_lr0.02", "signsgd", "info", extra_args=("--lr", "0.02"),
            recipe_note="lr 0.02", default=False),
+    Config("signsgd_lr0.1", "signsgd", "info", extra_args=("--lr", "0.1"),
+           recipe_note="lr 0.1", default=False),
     Config("pufferfish_c64_w2", "pufferfish:rank_ratio=0.25,warmup_epochs=2", "issue4",
            baseline="ssgd_c64", model_args=("channels=64",), recipe_note="cnn1d channels=64",
            default=False),
@@ -231,7 +233,9 @@ def markdown(rows: list[dict]) -> str:
         delta = f"{r['delta_pts']:+.2f} ({r['baseline']})" if "delta_pts" in r else "–"
         red = (f"{r['bytes_per_step_reduction']:.2f}× / {r['bytes_total_reduction']:.2f}×"
                if "bytes_per_step_reduction" in r else "–")
-        if r["target"] == "issue3":
+        if r["target"] in ("issue3", "issue4") and "pass" not in r:
+            verdict = f"no `{r.get('baseline', BY_KEY[r['key']].baseline)}` runs to compare"
+        elif r["target"] == "issue3":
             verdict = f"issue 3 (≥ −{ISSUE3_TOL}): " + ("PASS" if r["pass"] else "FAIL")
         elif r["target"] == "issue4":
             verdict = (f"issue 4 (≥ −{ISSUE4_TOL}, ≥ {ISSUE4_BYTES}×): "

@@ -36,6 +36,7 @@ def fake_launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
 
 
 def config(tmp_path: Path, methods: list[str], net: str = "none", **kw: Any) -> harness.BenchConfig:
+    kw.setdefault("predict", False)
     return harness.BenchConfig(methods=methods, nets=[netns.parse_net(net)], nproc=2, model="cnn1d",
                                batch_size=16, work_dir=str(tmp_path), quiet=True, **kw)
 
@@ -116,6 +117,12 @@ def test_real_workers_run_end_to_end_on_the_emulated_network(tmp_path: Path) -> 
     assert run["bytes_per_worker_per_iter"] > 0 and run["iter_time_s_median"] > 0
     assert run["speedup_vs_ssgd"] == pytest.approx(1.0)
     assert result["network"]["emulated"] is (netns.netns_support() is None)
+    # the simulator's prediction, from a profile and a real probe of the gloo collectives
+    coll = result["network"]["collectives"]
+    assert not coll.get("error"), coll.get("error")
+    assert coll["workers"] == 2 and coll["small_s"]["all_reduce"] > 0 and coll["large"]["all_gather"][1] > 0
+    assert run["predicted_iter_time_s"] > 0 and run["prediction_error"] is not None
+    assert run["predicted_bytes_per_worker_per_iter"] == pytest.approx(run["bytes_per_worker_per_iter"], rel=0.01)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"lcb{os.getpid()}")]
 
 
@@ -138,3 +145,52 @@ def test_without_namespace_support_runs_on_loopback_and_says_so(tmp_path: Path, 
     from lowcomm.bench import report
 
     assert "loopback, not emulated" in report.markdown(result)
+
+
+def test_rows_get_the_simulators_prediction_calibrated_by_nocomm(tmp_path: Path) -> None:
+    from lowcomm.bench import report
+    from lowcomm.sim import LayerProfile, Profile
+
+    prof = Profile(model="cnn1d", batch_size=16, optimizer_s=0.0,
+                   layers=[LayerProfile("a", 0.01, 0.02, [[500, 1000]]), LayerProfile("b", 0.01, 0.01, [[1000]])])
+    probe_calls = []
+
+    def probe(cfg: harness.BenchConfig, cluster: Any, bits: float, work: Path) -> dict[str, Any]:
+        probe_calls.append(bits)
+        return {"workers": 2, "small_s": {"all_reduce": 2e-3}, "large": {"all_reduce": [4_000_000, 0.5]}}
+
+    def launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
+        method = worker_args[worker_args.index("--method") + 1]
+        if method == "torch_fp16":
+            Path(worker_args[worker_args.index("--json") + 1]).write_text(json.dumps(
+                {"iter_time_s_median": 0.5, "bytes_per_worker_per_iter": 2e6, "breakdown_s": {}}))
+            return 0
+        return fake_launcher(worker_args, nproc, **kw)
+
+    cfg = config(tmp_path, ["ssgd", "torch_fp16"], predict=True)
+    result = harness.run_bench(cfg, launcher=launcher, profiler=lambda c: prof, collective_probe=probe)
+    rows = {r["method"]: r for r in result["runs"]}
+    assert len(probe_calls) == 1
+    pred = result["network"]["prediction"]
+    assert pred["compute_scale"] == pytest.approx(0.2 / 0.05)  # nocomm measured 0.2 s, profile 0.05 s
+    assert rows["nocomm"]["predicted_iter_time_s"] == pytest.approx(0.2)
+    assert rows["nocomm"]["prediction_error"] == pytest.approx(0.0, abs=1e-9)
+    ssgd = rows["ssgd"]
+    # one bucket (2 MB < 25 MB, first bucket closes at 1 MiB: two buckets), all-reduces at the
+    # fitted all-reduce cost; the prediction must at least exceed compute and match its own error
+    assert ssgd["predicted_iter_time_s"] > 0.2
+    assert ssgd["prediction_error"] == pytest.approx((ssgd["predicted_iter_time_s"] - 1.0) / 1.0)
+    assert ssgd["predicted_bytes_per_worker_per_iter"] == pytest.approx(2 * 1 / 2 * 501000 * 4)
+    assert rows["torch_fp16"]["predicted_iter_time_s"] is None and "no method" in rows["torch_fp16"]["prediction_note"]
+    md = report.markdown(result)
+    assert "| pred ms | pred err |" in md and "simulator: profile compute x4.00" in md
+    assert f"{ssgd['predicted_iter_time_s'] * 1e3:.1f}" in md
+
+
+def test_a_failing_profile_leaves_the_bench_running_without_predictions(tmp_path: Path) -> None:
+    def broken(cfg: harness.BenchConfig) -> Any:
+        raise RuntimeError("no profile today")
+
+    result = harness.run_bench(config(tmp_path, ["ssgd"], predict=True), launcher=fake_launcher, profiler=broken)
+    assert "no profile today" in result["prediction"]["error"]
+    assert all(r["status"] == "ok" and "predicted_iter_time_s" not in r for r in result["runs"])

@@ -58,3 +58,21 @@ def test_terminal_table_prints_every_method(result: dict, capsys: pytest.Capture
     for r in result["runs"]:
         assert r["method"] in out
     assert "lower bound" in out
+
+
+def test_measured_interface_bytes_column_sits_next_to_counted_bytes(result: dict) -> None:
+    result = copy.deepcopy(result)
+    header = report.markdown(result).splitlines()[2]
+    assert "MB sent (IP)" not in header and "pred ms" not in header  # old recordings render as before
+    for r in result["runs"]:
+        if r["status"] == "ok":
+            r["measured_tx_bytes_per_iter"] = r["bytes_per_worker_per_iter"] * 1.05 + 1234
+            r["predicted_iter_time_s"], r["prediction_error"] = r["iter_time_s_median"] * 1.1, 0.1
+    lines = report.markdown(result).splitlines()
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[cells.index("MB/worker/iter") + 1] == "MB sent (IP)"
+    assert cells[cells.index("iter ms") + 1: cells.index("iter ms") + 3] == ["pred ms", "pred err"]
+    ssgd = next(r for r in result["runs"] if r["method"] == "ssgd")
+    row = next([c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("| ssgd "))
+    assert row[cells.index("MB sent (IP)")] == f"{ssgd['measured_tx_bytes_per_iter'] / 1e6:.3g}"
+    assert row[cells.index("pred err")] == "+10%"

@@ -386,7 +386,9 @@ def run_bench(
             result["prediction"] = {"profile": {"model": profile.model, "batch_size": profile.batch_size,
                                                 "forward_s": profile.forward_s, "backward_s": profile.backward_s,
                                                 "optimizer_s": profile.optimizer_s,
-                                                "threads": cfg.threads, "device": profile.device}}
+                                                "threads": cfg.threads, "device": profile.device},
+                                    "profile_path": str(work / "profile.json")}
+            profile.save(work / "profile.json")
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # noqa: BLE001 - predictions are an extra; the bench still runs

@@ -21,6 +21,7 @@ _BUILTIN_MODULES = [
     "lowcomm.methods.compression",
     "lowcomm.sched.methods",
     "lowcomm.lowrank.method",
+    "lowcomm.bench.fsdp_reference",  # torch_fsdp (FSDP2 shard-grad-op, timing reference)
     "lowcomm.bench.reference",  # torch_powersgd, torch_fp16 (PyTorch's own hooks, for comparison)
 ]
 

@@ -1,0 +1,99 @@
+"""Calibration: per-collective α/β fitted from a probe, and compute scaled to a nocomm run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lowcomm.comm.accounting import wire_bytes
+from lowcomm.sim import LayerProfile, NetworkModel, Profile, predict_iteration_time
+from lowcomm.sim.calibrate import (calibrate_compute, fit_collectives, latency_steps, network_from_probe,
+                                   scale_profile)
+from lowcomm.sim.profile import ComputeCosts
+
+BITS = 100e6  # 100 Mbit/s link
+BETA = 8 / BITS
+P = 4
+# a probe as gloo answers it on 4 CPU workers: milliseconds of latency, all-to-all slower per byte
+SMALL = {"all_reduce": 6e-3, "reduce_scatter": 3e-3, "all_gather": 1.5e-3, "broadcast": 0.4e-3}
+LARGE = {"all_reduce": (4_000_000, 0.55), "reduce_scatter": (4_000_000, 0.57), "all_gather": (1_000_000, 0.28)}
+
+
+def fitted() -> NetworkModel:
+    return network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                              collectives={"small_s": SMALL, "large": LARGE})
+
+
+def test_fitted_model_reproduces_every_probe_time() -> None:
+    net = fitted()
+    assert net.all_reduce(0, P) == pytest.approx(SMALL["all_reduce"])
+    assert net.reduce_scatter(0, P) == pytest.approx(SMALL["reduce_scatter"])
+    assert net.all_gather(0, P) == pytest.approx(SMALL["all_gather"])
+    assert net.broadcast(0, P) == pytest.approx(SMALL["broadcast"])
+    assert net.all_reduce(4_000_000, P) == pytest.approx(0.55)
+    assert net.reduce_scatter(4_000_000, P) == pytest.approx(0.57)
+    assert net.all_gather(1_000_000, P) == pytest.approx(0.28)
+
+
+def test_alpha_per_step_and_beta_scale_follow_the_formula() -> None:
+    alpha, scale = fit_collectives(bits_per_s=BITS, workers=P, small_s=SMALL, large=LARGE)
+    assert alpha["all_reduce"] == pytest.approx(6e-3 / (2 * (P - 1)))
+    assert alpha["reduce_scatter"] == pytest.approx(3e-3 / (P - 1))
+    assert alpha["broadcast"] == pytest.approx(0.4e-3 / math.ceil(math.log2(P)))
+    wb = wire_bytes("reduce_scatter", 4_000_000, P)
+    assert scale["reduce_scatter"] == pytest.approx((0.57 - 3e-3) / wb / BETA)
+    # the gloo all-to-all moves a byte more slowly than the ring all-reduce
+    assert scale["reduce_scatter"] > scale["all_reduce"]
+    assert "broadcast" not in scale  # no large broadcast measured: the link's β
+
+
+def test_uncalibrated_kinds_and_plain_probe_fall_back_to_link() -> None:
+    net = fitted()
+    assert net.alpha_for("p2p") == pytest.approx(1e-5) and net.beta_for("p2p") == pytest.approx(BETA)
+    plain = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P, collectives=None)
+    assert plain.all_reduce(1e6, P) == pytest.approx(2 * 3 * 1e-5 + 1.5e6 * BETA)
+    assert "collective_alpha_s" in net.describe() and "collective_alpha_s" not in plain.describe()
+
+
+def test_latency_steps_match_simulator_formulas() -> None:
+    assert [latency_steps(k, 8) for k in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")] == [14, 7, 7, 3]
+    assert latency_steps("all_reduce", 1) == 0
+    with pytest.raises(ValueError, match="unknown collective"):
+        latency_steps("gossip", 4)
+
+
+def test_noise_cannot_make_a_collective_faster_than_half_the_link() -> None:
+    _, scale = fit_collectives(bits_per_s=BITS, workers=P, small_s={"all_reduce": 0.5},
+                               large={"all_reduce": (1000, 0.4)})
+    assert scale["all_reduce"] == 0.5
+
+
+def profile() -> Profile:
+    return Profile(model="two", batch_size=8, optimizer_s=0.01,
+                   costs=ComputeCosts(elementwise_s_per_elem=1e-9, topk_s_per_elem=2e-9),
+                   compressors={"signsgd": {"encode_s_per_elem": 3e-9}},
+                   layers=[LayerProfile("a", 0.02, 0.04, [[256, 256]]), LayerProfile("b", 0.01, 0.03, [[10, 256]])])
+
+
+def test_scale_profile_multiplies_every_compute_time() -> None:
+    prof = profile()
+    prof.factorized = profile()
+    s = scale_profile(prof, 2.5)
+    assert s.compute_s == pytest.approx(2.5 * prof.compute_s)
+    assert s.costs.topk_s_per_elem == pytest.approx(5e-9)
+    assert s.compressors["signsgd"]["encode_s_per_elem"] == pytest.approx(7.5e-9)
+    assert s.factorized is not None and s.factorized.compute_s == pytest.approx(2.5 * prof.compute_s)
+    assert prof.compute_s == pytest.approx(0.11)  # the original is untouched
+    with pytest.raises(ValueError):
+        scale_profile(prof, 0.0)
+
+
+def test_calibrated_compute_predicts_the_measured_nocomm_time() -> None:
+    net = fitted()
+    scaled, factor = calibrate_compute(profile(), 0.33, workers=P, network=net)
+    assert factor == pytest.approx(0.33 / 0.11)
+    assert predict_iteration_time(scaled, "nocomm", workers=P, network=net).iter_time_s == pytest.approx(0.33)
+    # communication is not scaled: ssgd's extra over nocomm is the network model's all-reduce
+    ssgd = predict_iteration_time(scaled, "ssgd", workers=P, network=net).iter_time_s
+    assert ssgd > 0.33
