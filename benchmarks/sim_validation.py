@@ -124,11 +124,28 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bench", nargs="+")
     ap.add_argument("--recorded", action="store_true", help="print the predictions the bench recorded")
+    ap.add_argument("--repredict", default=None, metavar="DIR",
+                    help="re-predict recorded runs with the current simulator (saved profile); write to DIR")
     ap.add_argument("--profile", default=None)
     ap.add_argument("--save-profile", default=None)
     ap.add_argument("--markdown", default=None)
     ap.add_argument("--raw", action="store_true", help="no calibration: alpha = RTT/2, profile compute as measured")
     args = ap.parse_args()
+    if args.repredict:
+        # recompute the predictions of recorded runs with the current simulator, using the
+        # profile each bench saved (profile_path), and write the updated JSONs
+        from lowcomm.bench.prediction import add_predictions
+
+        for b in args.bench:
+            bench = json.loads(Path(b).read_text())
+            prof = Profile.load(args.profile or bench["prediction"]["profile_path"])
+            for n in bench.get("networks") or [bench["network"]]:
+                runs = [r for r in bench["runs"] if r.get("net") == n["requested"]]
+                n["prediction"] = add_predictions(runs, prof, n, workers=bench["world_size"])
+            out = Path(args.repredict) / Path(b).name
+            out.write_text(json.dumps(bench, indent=2) + "\n")
+            print(f"wrote {out}")
+        return
     if args.recorded:
         text = recorded_markdown([json.loads(Path(b).read_text()) for b in args.bench])
         print(text)
