@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Generic, Iterator, TypeVar
+import importlib
+from typing import Any, Callable, Generic, Iterable, Iterator, TypeVar
 
 from lowcomm.errors import UsageError
 
@@ -11,11 +12,24 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Maps names to factories; unknown names raise :class:`UsageError` listing valid ones."""
+    """Maps names to factories; unknown names raise :class:`UsageError` listing valid ones.
 
-    def __init__(self, kind: str) -> None:
+    ``modules`` are imported on first lookup: they hold the built-in entries and register
+    themselves, so importing the package stays cheap and free of import cycles.
+    """
+
+    def __init__(self, kind: str, *, modules: Iterable[str] = ()) -> None:
         self.kind = kind
         self._factories: dict[str, Callable[..., T]] = {}
+        self.modules = list(modules)
+        self._loaded = False
+
+    def _ensure_loaded(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True  # before importing: the modules call register() on us
+        for module in self.modules:
+            importlib.import_module(module)
 
     def register(self, name: str | None = None) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """Decorator: ``@registry.register("name")`` (defaults to the function's name)."""
@@ -30,6 +44,7 @@ class Registry(Generic[T]):
         return decorate
 
     def get(self, name: str) -> Callable[..., T]:
+        self._ensure_loaded()
         try:
             return self._factories[name]
         except KeyError:
@@ -43,9 +58,11 @@ class Registry(Generic[T]):
         return self.get(name)(**kwargs)
 
     def names(self) -> list[str]:
+        self._ensure_loaded()
         return sorted(self._factories)
 
     def __contains__(self, name: object) -> bool:
+        self._ensure_loaded()
         return name in self._factories
 
     def __iter__(self) -> Iterator[str]:

@@ -427,9 +427,14 @@ def run_bench(
                 compute_only = None
                 if cfg.compute_only and not cfg.tta and "nocomm" not in order:
                     order.insert(0, "nocomm")
-                for m in order:
+                    if len(order) > 2:
+                        # measured again after the methods: the faster of the two is the reference
+                        # (a load spike during one nocomm run would skew every bound and prediction)
+                        order.append("nocomm")
+                for k, m in enumerate(order):
                     say(f"  running {m} on {cfg.nproc} workers ...")
-                    tag = f"net{n_idx}-{re.sub(r'[^A-Za-z0-9_.=-]', '_', m)}"
+                    again = m == "nocomm" and k > 0 and "nocomm" in order[:k]
+                    tag = f"net{n_idx}-{re.sub(r'[^A-Za-z0-9_.=-]', '_', m)}" + ("-again" if again else "")
                     try:
                         row = run_method(cfg, m, work=work, tag=tag, cluster=cluster, launcher=launcher)
                     except (KeyboardInterrupt, SystemExit):
@@ -439,6 +444,15 @@ def run_bench(
                     row["net"] = spec.requested
                     say(f"    {m}: " + (f"{row['iter_time_s_median']:.3g} s/iter" if row["status"] == "ok"
                                          else f"FAILED ({row['reason']})"))
+                    if again:
+                        first = next(r for r in rows if r["method"] == "nocomm")
+                        times = [r["iter_time_s_median"] for r in (first, row) if r["status"] == "ok"]
+                        if row["status"] == "ok" and (first["status"] != "ok" or row["iter_time_s_median"] < first["iter_time_s_median"]):
+                            rows[rows.index(first)] = row
+                            first = row
+                        first["nocomm_runs_s"] = times
+                        compute_only = min(times) if times else None
+                        continue
                     if m == "nocomm" and row["status"] == "ok" and compute_only is None:
                         compute_only = row["iter_time_s_median"]
                     rows.append(row)

@@ -7,10 +7,12 @@ thread count, batch size and input shape (:func:`measure`). Per network:
   fitted from the collective probe (:mod:`lowcomm.bench.collprobe`) when it ran, else
   α = RTT/2 (:func:`lowcomm.sim.calibrate.network_from_probe`);
 * the **compute** of the profile is scaled so that the predicted ``nocomm`` iteration equals
-  the measured ``nocomm`` run on that network (:func:`lowcomm.sim.calibrate.calibrate_compute`):
+  the measured ``nocomm`` time on that network (:func:`lowcomm.sim.calibrate.calibrate_compute`):
   N workers sharing the machine's cores compute slower than one quiet profiling process,
-  and the ``nocomm`` run measures exactly that slow-down. The ``nocomm`` row therefore has
-  zero prediction error by construction; every other row is a real prediction.
+  and the ``nocomm`` run measures exactly that slow-down. The bench runs ``nocomm`` before and
+  after the other methods; the calibration uses the mean of the two (the load the methods
+  ran under). With a single ``nocomm`` run its row has zero error by construction; every
+  other row is a real prediction.
 
 Each successful row gets ``predicted_iter_time_s`` (DESIGN.md's key), ``prediction_error``
 ((predicted − measured) / measured), ``predicted_bytes_per_worker_per_iter`` and
@@ -67,8 +69,13 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
     prof = profile
     if nocomm:
-        prof, factor = calibrate_compute(profile, nocomm["iter_time_s_median"], workers=workers, network=net)
+        # the mean of the nocomm runs bracketing the methods: the load the methods ran under
+        # (the lower bound takes the faster run; a prediction wants the typical one)
+        runs = nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]]
+        reference = sum(runs) / len(runs)
+        prof, factor = calibrate_compute(profile, reference, workers=workers, network=net)
         used["compute_scale"] = factor
+        used["nocomm_reference_s"] = reference
     else:
         used["note"] = "no nocomm run: compute times are the profile's, not calibrated"
     used["profile_compute_s"] = prof.compute_s

@@ -16,7 +16,6 @@ instead of in Python per sample.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,25 +68,18 @@ class DataBundle:
         return size
 
 
-DATASETS: Registry[DataBundle] = Registry("dataset")
+DATASETS: Registry[DataBundle] = Registry(
+    "dataset",
+    modules=[
+        "lowcomm.data.embedded",
+        "lowcomm.data.cifar",
+        "lowcomm.data.imagefolder",
+        "lowcomm.data.wikitext",
+        "lowcomm.data.synthetic",
+    ],
+)
 
-_BUILTIN_MODULES = [
-    "lowcomm.data.embedded",
-    "lowcomm.data.cifar",
-    "lowcomm.data.imagefolder",
-    "lowcomm.data.wikitext",
-    "lowcomm.data.synthetic",
-]
-_loaded = False
 
-
-def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for mod in _BUILTIN_MODULES:
-        importlib.import_module(mod)
 
 
 def register_dataset(name: str) -> Callable[[Callable[..., DataBundle]], Callable[..., DataBundle]]:
@@ -103,7 +95,6 @@ def create(name: str, *, data_dir: str | Path | None = None, seed: int = 0, **kw
     do not depend on ``seed``, so runs with different seeds train on the same data.
     Unknown names, unknown options and missing files raise :class:`UsageError`.
     """
-    _load_builtins()
     factory = DATASETS.get(name)
     params = inspect.signature(factory).parameters
     unknown = [k for k in kwargs if k not in params]
@@ -116,7 +107,6 @@ def create(name: str, *, data_dir: str | Path | None = None, seed: int = 0, **kw
 
 def names() -> list[str]:
     """All registered dataset names, sorted."""
-    _load_builtins()
     return DATASETS.names()
 
 

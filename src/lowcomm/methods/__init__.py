@@ -1,40 +1,32 @@
 """The ``--method`` namespace: one registry for every method, whatever axis it changes.
 
 Use :func:`create` with a spec such as ``"acpsgd:rank=4"``. Method modules register
-themselves with :data:`METHODS`; the built-in modules are imported on first use.
+themselves with :data:`METHODS`; the registry imports the built-in modules on first lookup.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import Method, MethodContext, parse_options
 from lowcomm.registry import Registry
 
-METHODS: Registry[Method] = Registry("method")
+METHODS: Registry[Method] = Registry(
+    "method",
+    modules=[
+        "lowcomm.methods.ddp",
+        "lowcomm.methods.compression",
+        "lowcomm.sched.methods",
+        "lowcomm.lowrank.method",
+        "lowcomm.bench.fsdp_reference",  # torch_fsdp (FSDP2 shard-grad-op, timing reference)
+        "lowcomm.bench.reference",  # torch_powersgd, torch_fp16 (PyTorch's own hooks, for comparison)
+    ],
+)
 
 # Modules that register methods; each adds itself here.
-_BUILTIN_MODULES = [
-    "lowcomm.methods.ddp",
-    "lowcomm.methods.compression",
-    "lowcomm.sched.methods",
-    "lowcomm.lowrank.method",
-    "lowcomm.bench.fsdp_reference",  # torch_fsdp (FSDP2 shard-grad-op, timing reference)
-    "lowcomm.bench.reference",  # torch_powersgd, torch_fp16 (PyTorch's own hooks, for comparison)
-]
-
-_loaded = False
 
 
-def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for mod in _BUILTIN_MODULES:
-        importlib.import_module(mod)
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -52,7 +44,6 @@ def split_spec(spec: str) -> tuple[str, str]:
 
 def create(spec: str, **overrides: Any) -> Method:
     """Build a method from ``name[:key=value,...]``; keyword overrides win over the string."""
-    _load_builtins()
     name, opts = split_spec(spec)
     cls = METHODS.get(name)
     options = parse_options(name, cls.Options, opts)  # type: ignore[attr-defined]
@@ -66,7 +57,6 @@ def create(spec: str, **overrides: Any) -> Method:
 
 
 def names(include_timing_only: bool = False) -> list[str]:
-    _load_builtins()
     return [n for n in METHODS.names() if include_timing_only or not METHODS.get(n).timing_only]  # type: ignore[attr-defined]
 
 

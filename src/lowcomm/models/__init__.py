@@ -39,7 +39,6 @@ Module names (stable: low-rank presets select modules by these qualified names)
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
@@ -51,17 +50,18 @@ from lowcomm.registry import Registry
 
 Task = Literal["classification", "language_model"]
 
-MODELS: Registry[nn.Module] = Registry("model")
+MODELS: Registry[nn.Module] = Registry(
+    "model",
+    modules=[
+        "lowcomm.models.resnet",
+        "lowcomm.models.vgg",
+        "lowcomm.models.lstm",
+        "lowcomm.models.transformer",
+        "lowcomm.models.small",
+    ],
+)
 
-_BUILTIN_MODULES = [
-    "lowcomm.models.resnet",
-    "lowcomm.models.vgg",
-    "lowcomm.models.lstm",
-    "lowcomm.models.transformer",
-    "lowcomm.models.small",
-]
 
-_loaded = False
 
 
 @dataclass(frozen=True)
@@ -107,18 +107,9 @@ def register_model(
     return decorate
 
 
-def _load_builtins() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    for mod in _BUILTIN_MODULES:
-        importlib.import_module(mod)
-
 
 def create(name: str, **kwargs: Any) -> nn.Module:
     """Build model ``name``; unknown names or keyword arguments raise :class:`UsageError`."""
-    _load_builtins()
     factory = MODELS.get(name)
     params = inspect.signature(factory).parameters
     unknown = [k for k in kwargs if k not in params]
@@ -132,13 +123,11 @@ def create(name: str, **kwargs: Any) -> nn.Module:
 
 def names() -> list[str]:
     """All registered model names, sorted."""
-    _load_builtins()
     return MODELS.names()
 
 
 def info(name: str) -> ModelInfo:
     """Metadata of model ``name`` (raises :class:`UsageError` for unknown names)."""
-    _load_builtins()
     MODELS.get(name)  # helpful error for unknown names
     return _INFO[name]
 

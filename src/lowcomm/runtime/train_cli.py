@@ -115,9 +115,8 @@ def check_names(cfg: TrainConfig) -> None:
     """Unknown model, data or method names are refused before any worker starts."""
     from lowcomm import data, methods, models
 
-    models.info(cfg.model)
-    if cfg.data not in data.names():
-        data.DATASETS.get(cfg.data)  # raises with the list of valid names
+    models.MODELS.get(cfg.model)
+    data.DATASETS.get(cfg.data)
     method = methods.create(cfg.method)
     if method.timing_only and cfg.eval:
         raise UsageError(f"method {cfg.method!r} is for timing only; add --no-eval")

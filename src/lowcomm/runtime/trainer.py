@@ -87,7 +87,6 @@ def _accepted_kwargs(factory: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 def build_model(cfg: TrainConfig, bundle: Any) -> nn.Module:
     """Create the model sized to the data (classes / vocabulary / input width)."""
-    model_registry.info(cfg.model)  # loads the registry; helpful error for unknown names
     factory = model_registry.MODELS.get(cfg.model)
     implied: dict[str, Any] = {}
     if bundle.task == "classification" and bundle.num_classes:
