@@ -194,3 +194,21 @@ def test_a_failing_profile_leaves_the_bench_running_without_predictions(tmp_path
     result = harness.run_bench(config(tmp_path, ["ssgd"], predict=True), launcher=fake_launcher, profiler=broken)
     assert "no profile today" in result["prediction"]["error"]
     assert all(r["status"] == "ok" and "predicted_iter_time_s" not in r for r in result["runs"])
+
+
+def test_compute_only_is_measured_before_and_after_and_the_faster_run_is_the_reference(tmp_path: Path) -> None:
+    nocomm_times = iter([0.5, 0.2])
+
+    def launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
+        if worker_args[worker_args.index("--method") + 1] != "nocomm":
+            return fake_launcher(worker_args, nproc, **kw)
+        it = next(nocomm_times)
+        Path(worker_args[worker_args.index("--json") + 1]).write_text(json.dumps(
+            {"iter_time_s_median": it, "bytes_per_worker_per_iter": 0.0, "breakdown_s": {"forward": it}}))
+        return 0
+
+    result = harness.run_bench(config(tmp_path, ["ssgd", "fp16"]), launcher=launcher)
+    nocomm = [r for r in result["runs"] if r["method"] == "nocomm"]
+    assert len(nocomm) == 1 and nocomm[0]["iter_time_s_median"] == 0.2 and nocomm[0]["nocomm_runs_s"] == [0.5, 0.2]
+    assert [r["method"] for r in result["runs"]] == ["nocomm", "ssgd", "fp16"]
+    assert all(r["compute_only_s"] == 0.2 for r in result["runs"])
