@@ -14,22 +14,14 @@ import sys
 from typing import Any
 
 from lowcomm.errors import UsageError
+from lowcomm.methods import split_list
 
 DEFAULT_METHODS = ("ssgd", "fp16", "signsgd", "topk", "powersgd", "acpsgd")
 
 
 def split_methods(text: str) -> list[str]:
-    """``'ssgd,topk:density=0.01,k=2,fp16'`` -> ``['ssgd', 'topk:density=0.01,k=2', 'fp16']``:
-    a part with ``=`` but no ``:`` continues the previous method's options."""
-    specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and ":" not in part and specs:
-            specs[-1] += "," + part
-        else:
-            specs.append(part)
-    return specs
+    """Method specs from ``--methods``; see :func:`lowcomm.methods.split_list`."""
+    return split_list(text)
 
 
 def default_methods() -> str:

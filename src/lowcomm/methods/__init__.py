@@ -42,6 +42,20 @@ def split_spec(spec: str) -> tuple[str, str]:
     return name.strip(), opts
 
 
+def split_list(text: str) -> list[str]:
+    """``'ssgd,topk:density=0.01,start_iter=2,fp16'`` -> ``['ssgd', 'topk:density=0.01,start_iter=2',
+    'fp16']``: a part with ``=`` but no ``:`` continues the previous method's options."""
+    specs: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part and ":" not in part and specs:
+            specs[-1] += "," + part
+        else:
+            specs.append(part)
+    return specs
+
+
 def create(spec: str, **overrides: Any) -> Method:
     """Build a method from ``name[:key=value,...]``; keyword overrides win over the string."""
     name, opts = split_spec(spec)
@@ -60,4 +74,4 @@ def names(include_timing_only: bool = False) -> list[str]:
     return [n for n in METHODS.names() if include_timing_only or not METHODS.get(n).timing_only]  # type: ignore[attr-defined]
 
 
-__all__ = ["METHODS", "Method", "MethodContext", "create", "names", "register", "split_spec"]
+__all__ = ["METHODS", "Method", "MethodContext", "create", "names", "register", "split_list", "split_spec"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lowcomm.errors import UsageError, check_positive
+from lowcomm.methods import split_list
 from lowcomm.sim.advise import CANDIDATES, CAVEATS, advise
 from lowcomm.sim.network import parse_network
 from lowcomm.sim.predict import make_schedule, predict_iteration_time
@@ -23,16 +24,8 @@ from lowcomm.sim.profile import Profile
 
 
 def split_methods(text: str) -> list[str]:
-    """``'ssgd,topk:density=0.01,fp16'`` -> specs; a part with ``=`` and no ``:`` continues
-    the previous method's options (same rule as ``lowcomm bench --methods``)."""
-    specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and ":" not in part and specs:
-            specs[-1] += "," + part
-        else:
-            specs.append(part)
+    """Method specs from ``--methods`` (:func:`lowcomm.methods.split_list`), checked."""
+    specs = split_list(text)
     if not specs:
         raise UsageError("--methods is empty")
     for s in specs:
