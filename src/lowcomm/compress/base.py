@@ -43,9 +43,9 @@ class Compressor(ABC):
             out.add_(self.decompress(p, ctx))
         return out.div_(len(payloads))
 
+    @abstractmethod
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         """Analytic bytes of one worker's payload for a flat tensor of ``numel`` elements."""
-        raise NotImplementedError
 
 
 def payload_spec(payload: Sequence[torch.Tensor]) -> PayloadSpec:

@@ -21,6 +21,7 @@ order the training code issues them, with the same overlap rules as the code:
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -157,7 +158,7 @@ class NoOptions:
     pass
 
 
-class Schedule:
+class Schedule(ABC):
     """``options`` is the method's own options object (``lowcomm.methods``), so a spec that
     trains also simulates; schedules read the fields they need with :meth:`opt`."""
 
@@ -179,8 +180,9 @@ class Schedule:
     def setup(self, sim: Sim) -> None:
         """Plan buckets/groups once per run."""
 
+    @abstractmethod
     def iteration(self, sim: Sim, it: int) -> None:
-        raise NotImplementedError
+        """Implemented by each schedule."""
 
 
 SCHEDULES: dict[str, type[Schedule]] = {}
@@ -520,8 +522,9 @@ def forward_groups(sim: Sim, threshold_bytes: float) -> list[list[int]]:
 class _ShardedSchedule(Schedule):
     """Reduce-scatter during backward; all-gathers that the next forward waits for."""
 
+    @abstractmethod
     def group_plan(self, sim: Sim) -> list[list[int]]:
-        raise NotImplementedError
+        """Implemented by each schedule."""
 
     def setup(self, sim: Sim) -> None:
         self.groups = self.group_plan(sim)
@@ -536,8 +539,9 @@ class _ShardedSchedule(Schedule):
         """Forward pre-hook of group g: wait for its all-gather (if pending); return last task."""
         return self.pending_ag.get(g)
 
+    @abstractmethod
     def after_reduce_scatter(self, sim: Sim, it: int, sync: Task) -> None:
-        raise NotImplementedError
+        """Implemented by each schedule."""
 
     def iteration(self, sim: Sim, it: int) -> None:
         for i in range(len(sim.profile.layers)):

@@ -12,6 +12,8 @@ The collective is issued from the hook call; decoding happens in the future's ca
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import time
 from typing import Any
 
@@ -37,8 +39,9 @@ class CompressorHook(HookState):
         self.store = ParamStore()
         self.compressor = self.build()
 
+    @abstractmethod
     def build(self) -> Compressor:
-        raise NotImplementedError
+        """The payload compressor of this method."""
 
     def before_compress(self, names: list[str]) -> None:
         """Per-bucket preparation (e.g. seeding a sampler)."""

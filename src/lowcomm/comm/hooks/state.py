@@ -13,6 +13,8 @@ synchronized iterations (``no_sync()`` steps never call the hook and are not cou
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import dataclasses
 from typing import Any, ClassVar
 
@@ -39,7 +41,7 @@ def poison(payload: list[torch.Tensor]) -> None:
             t.fill_(float("nan"))
 
 
-class HookState:
+class HookState(ABC):
     """Shared plumbing; subclasses implement :meth:`compressed_hook`."""
 
     name: ClassVar[str] = "hook"
@@ -69,8 +71,9 @@ class HookState:
             self.step += 1
         return fut
 
+    @abstractmethod
     def compressed_hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        raise NotImplementedError
+        """One bucket once the method compresses (after ``start_iter``)."""
 
     def allreduce_mean(self, buf: torch.Tensor, *, tag: str) -> Future[torch.Tensor]:
         world = self.world
