@@ -122,7 +122,15 @@ def measure_pair(
     warmup_s: float = 0.3,
     pings: int = 30,
 ) -> tuple[float, float]:
-    """Bits/s from client to server, and the RTT in seconds, measured with two subprocesses."""
+    """Bits/s from client to server, and the RTT in seconds, measured with two subprocesses.
+
+    Inside a namespace nothing else listens, so the fixed ``port`` is safe; on the host's own
+    network (no prefix) a port that is free right now is used instead.
+    """
+    if not server_prefix:
+        from lowcomm.testing.distributed import free_port
+
+        port = free_port()
     py = [sys.executable, "-m", "lowcomm.bench.probe"]
     server = subprocess.Popen(
         server_prefix + py + ["serve", "--port", str(port), "--warmup", str(warmup_s)],
@@ -178,10 +186,9 @@ def probe(
 
 
 def probe_loopback(*, seconds: float = 0.5) -> ProbeResult:
-    """The same measurement on 127.0.0.1 (for ``--net none`` and the fallback)."""
-    from lowcomm.testing.distributed import free_port
-
-    return probe([[]], ["127.0.0.1"], seconds=seconds, port=free_port() - 1)
+    """The same measurement on 127.0.0.1 (for ``--net none`` and the fallback); each
+    direction picks a free port (see :func:`measure_pair`)."""
+    return probe([[]], ["127.0.0.1"], seconds=seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
