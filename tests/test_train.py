@@ -83,3 +83,10 @@ def test_demo_runs_the_benchmark_on_embedded_data(tmp_path: Path) -> None:
     (row,) = [r for r in result["runs"] if r["method"] == "ssgd"]
     assert row["status"] == "ok" and row["final_test_accuracy"] > 0.1
     assert (out / "demo.png").exists()
+
+
+def test_bad_data_dir_with_several_workers_is_one_line_and_exit_2(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--nproc", "2", "--data", "cifar10", "--data-dir", str(tmp_path / "missing"), "--quiet"]
+    assert main(argv) == 2
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "cifar10: expected cifar-10-batches-py" in err[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -58,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"lowcomm: error: {e}", file=sys.stderr)
+        # Workers we launched all hit the same bad input: rank 0 alone says it.
+        if not (os.environ.get("LOWCOMM_LAUNCHED") == "1" and os.environ.get("RANK", "0") != "0"):
+            print(f"lowcomm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lowcomm: interrupted", file=sys.stderr)

@@ -68,6 +68,9 @@ def launch_workers(
 ) -> int:
     """Run ``nproc`` workers to completion; return 0, or the first failure's exit code.
 
+    Exit code 2 from rank 0 means bad input (a :class:`~lowcomm.errors.UsageError`) whose
+    reason rank 0 printed, so the launcher stops the others without adding a line.
+
     ``command`` replaces ``python -m lowcomm`` (tests use it to start tiny scripts).
     """
     port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
@@ -107,7 +110,7 @@ def launch_workers(
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 rank, code = failed[0]
-                if not quiet:
+                if not quiet and not (code == 2 and rank == 0):  # rank 0 already said why
                     print(
                         f"lowcomm: worker rank {rank} failed with exit code {code}; "
                         f"stopping the other {nproc - 1} worker(s)",
