@@ -86,18 +86,32 @@ class ParamStore:
         return set(self._pieces) | {n for key in self._flats for n in key}
 
 
-class ErrorFeedback(Compressor):
+class CompressorWrapper(Compressor):
+    """Per-parameter memory around an inner compressor, whose payload format it keeps:
+    decoding, aggregation and byte counts are the inner compressor's."""
+
+    def __init__(self, inner: Compressor, *, store: ParamStore | None = None) -> None:
+        self.inner = inner
+        self.aggregation = inner.aggregation  # type: ignore[misc]
+        self.memory = store if store is not None else ParamStore()
+
+    def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        return self.inner.decompress(payload, ctx)
+
+    def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        return self.inner.aggregate(payloads, ctx)
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
+        return self.inner.payload_bytes(numel, dtype, num_tensors)
+
+
+class ErrorFeedback(CompressorWrapper):
     """Residual memory around any compressor: send ``C(g + e)``, keep ``e <- g + e - D(C(.))``.
 
     The memory update uses the *local* reconstruction, which is what EF-SignSGD and top-k
     with residuals prescribe. Methods whose memory depends on the aggregate (PowerSGD) use
     :attr:`memory` directly.
     """
-
-    def __init__(self, inner: Compressor, *, store: ParamStore | None = None) -> None:
-        self.inner = inner
-        self.aggregation = inner.aggregation  # type: ignore[misc]
-        self.memory = store if store is not None else ParamStore()
 
     def compress(
         self,
@@ -116,24 +130,13 @@ class ErrorFeedback(Compressor):
             warn_nonfinite("error-feedback memory")
         return payload, ctx
 
-    def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
-        return self.inner.decompress(payload, ctx)
 
-    def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
-        return self.inner.aggregate(payloads, ctx)
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
-        return self.inner.payload_bytes(numel, dtype, num_tensors)
-
-
-class Momentum(Compressor):
+class Momentum(CompressorWrapper):
     """Compress the momentum ``m <- beta*m + (1-beta)*g`` instead of ``g`` (Signum)."""
 
     def __init__(self, inner: Compressor, *, beta: float, store: ParamStore | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner, store=store)
         self.beta = beta
-        self.aggregation = inner.aggregation  # type: ignore[misc]
-        self.memory = store if store is not None else ParamStore()
 
     def compress(
         self,
@@ -149,12 +152,3 @@ class Momentum(Compressor):
             return self.inner.compress(mom, segments)
         warn_nonfinite("momentum")
         return self.inner.compress(mom * self.beta + tensor * (1.0 - self.beta), segments)
-
-    def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
-        return self.inner.decompress(payload, ctx)
-
-    def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
-        return self.inner.aggregate(payloads, ctx)
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
-        return self.inner.payload_bytes(numel, dtype, num_tensors)
