@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lowcomm-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test test-gpu install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# GPU smoke suite (tests marked `cuda`; `make test` runs them too, skipped without a GPU).
+# Needs a CUDA build of torch in .venv: the pinned install above may be CPU-only.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m cuda
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

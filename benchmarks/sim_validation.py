@@ -10,6 +10,9 @@ model locally (same batch size, input shape and torch threads per worker) unless
 the network the bench measured, with the per-collective α/β of its collective probe when the
 JSON has one (:mod:`lowcomm.bench.prediction`). ``--raw`` skips both calibrations (α = RTT/2,
 profile compute as measured) to show what they are worth.
+
+The counts the docs quote ("N of M rows within 15 %") are written from the same JSON by
+``benchmarks/doc_numbers.py --write`` and checked by ``tests/test_docs_consistency.py``.
 """
 
 from __future__ import annotations

@@ -50,3 +50,79 @@ def test_gather_scatter_and_broadcast_are_counted() -> None:
     assert led["reduce_scatter"]["wire_bytes"] == 32  # (P-1)/P * 64 bytes
     assert led["all_gather"]["wire_bytes"] == 32  # (P-1) * 32 bytes
     assert led["broadcast"]["wire_bytes"] == (12 if rank == 0 else 0)
+
+
+# --- which devices a group can carry ----------------------------------------------------------
+@pytest.mark.parametrize("config", ["cuda:nccl", "nccl"])
+def test_cpu_tensor_is_refused_on_a_group_without_a_cpu_backend(config: str) -> None:
+    with pytest.raises(accounting.BackendDeviceError, match=r"cpu tensor.*cpu:gloo,cuda:nccl"):
+        accounting.check_device_supported(config, "cpu", what="all_reduce (tag 'eval')")
+
+
+def test_mixed_backend_config_serves_each_device_with_its_own_backend() -> None:
+    assert accounting.check_device_supported("cpu:gloo,cuda:nccl", "cpu") == "gloo"
+    assert accounting.check_device_supported("cpu:gloo,cuda:nccl", "cuda") == "nccl"
+    assert accounting.check_device_supported("gloo", "cuda") == "gloo"  # as torch expands it
+    with pytest.raises(accounting.BackendDeviceError, match="meta"):
+        accounting.check_device_supported("cpu:gloo,cuda:nccl", "meta")
+
+
+def test_malformed_backend_config_is_a_value_error() -> None:
+    with pytest.raises(ValueError, match="malformed"):
+        accounting.parse_backend_config("cpu:gloo,cuda")
+
+
+@distributed(world_size=2)
+def test_collective_on_a_device_the_group_lacks_is_refused_before_counting() -> None:
+    # a gloo group registered for cuda only: on a CPU machine, the same situation as a CPU
+    # tensor on init_process_group("nccl")
+    cuda_only = dist.new_group([0, 1], backend="cuda:gloo")
+    with pytest.raises(accounting.BackendDeviceError, match=r"all_reduce \(tag 'eval'\).*cpu tensor"):
+        accounting.all_reduce(torch.ones(3), group=cuda_only, tag="eval")
+    with pytest.raises(accounting.BackendDeviceError, match="broadcast"):
+        accounting.broadcast(torch.ones(3), 0, group=cuda_only)
+    with pytest.raises(accounting.BackendDeviceError, match="p2p"):
+        peer = 1 - dist.get_rank()
+        accounting.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(3), peer, cuda_only)])
+    assert accounting.ledger().as_dict()["wire_bytes"] == 0  # nothing refused was counted
+    # the default (gloo) group still carries the same CPU tensor
+    t = torch.ones(3)
+    accounting.all_reduce(t, tag="ok")
+    assert torch.equal(t, torch.full((3,), 2.0))
+    assert accounting.device_backend(None, t.device) == "gloo"
+
+
+@distributed(world_size=2)
+def test_tensors_of_one_collective_on_different_devices_are_refused() -> None:
+    out = torch.empty(4, device="meta")
+    with pytest.raises(accounting.BackendDeviceError, match="one device"):
+        accounting.all_gather_into_tensor(out, torch.ones(2))
+
+
+@distributed(world_size=2)
+def test_batched_exchange_counts_sends_on_the_sender_only() -> None:
+    rank = dist.get_rank()
+    peer = 1 - rank
+    send = torch.full((1000,), float(rank + 1))
+    recv = torch.empty(1000)
+    ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+    works = accounting.batch_isend_irecv(ops, tag="swap")
+    assert len(works) == 2
+    for w in works:
+        w.wait()
+    assert torch.equal(recv, torch.full((1000,), float(peer + 1)))
+    # one-directional batch: only rank 0 sends
+    one = torch.zeros(10)
+    if rank == 0:
+        ops = [dist.P2POp(dist.isend, torch.ones(10), 1)]
+    else:
+        ops = [dist.P2POp(dist.irecv, one, 0)]
+    for w in accounting.batch_isend_irecv(ops, tag="one"):
+        w.wait()
+    led = accounting.ledger().as_dict()["by_tag"]
+    assert led["swap"] == {"calls": 1, "payload_bytes": 4000, "wire_bytes": 4000}
+    if rank == 0:
+        assert led["one"]["wire_bytes"] == 40
+    else:
+        assert "one" not in led and torch.equal(one, torch.ones(10))
+    assert accounting.batch_isend_irecv([], tag="none") == []

@@ -17,6 +17,7 @@ from compress_testlib import (
     resume_run,
     run_ranks,
 )
+from tolerance import assert_close_eps
 from lowcomm.compress.lowrank import effective_rank, matrix_shape, should_compress
 from lowcomm.hooks import options_for
 
@@ -32,7 +33,6 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("acpsgd", {"start_iter": 1, "rank": 2}),
 ]
 STATEFUL = [c for c in CASES if c[0] not in ("ssgd", "fp16", "bf16")]
-TOL = {"fp16": (1e-3, 1e-4), "bf16": (1e-2, 1e-3)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -41,8 +41,7 @@ def test_aggregated_gradient_matches_central_reference_with_many_buckets(
     method: str, opts: dict[str, Any], world: int
 ) -> None:
     results = run_ranks(recorded_run, world, method, opts, steps=5)
-    rtol, atol = TOL.get(method, (1e-4, 1e-5))
-    buckets = check_against_reference(method, opts, results, rtol=rtol, atol=atol)
+    buckets = check_against_reference(method, opts, results)
     assert buckets >= 4
     for s in range(5):  # every rank ends up with bit-identical gradients
         for n, g in results[0]["log"][s]["out"].items():
@@ -52,7 +51,7 @@ def test_aggregated_gradient_matches_central_reference_with_many_buckets(
 def test_gtopk_on_three_ranks_uses_the_fold_in_fallback() -> None:
     opts = {"start_iter": 1, "density": 0.1}
     results = run_ranks(recorded_run, 3, "gtopk", opts, steps=4)
-    check_against_reference("gtopk", opts, results, rtol=1e-5, atol=1e-6)
+    check_against_reference("gtopk", opts, results)
     # rank 2 (extra) sends its k once per bucket; rank 0 also returns the result to it
     assert results[2]["ledger"]["wire_bytes"] < results[0]["ledger"]["wire_bytes"]
 
@@ -63,7 +62,7 @@ def test_compressing_from_step_zero_survives_ddp_bucket_rebuild(method: str, opt
     results = run_ranks(recorded_run, 2, method, opts, steps=4)
     layouts = [len(step["buckets"]) for step in results[0]["log"]]
     assert layouts[0] == 1 and layouts[-1] >= 4
-    check_against_reference(method, opts, results, rtol=1e-4, atol=1e-5)
+    check_against_reference(method, opts, results)
 
 
 def _ar(b: int, p: int) -> int:
@@ -118,7 +117,7 @@ def test_counted_bytes_equal_the_analytic_payload(method: str, opts: dict[str, A
 def test_unused_parameters_and_no_sync_accumulation_keep_state_consistent(method: str, opts: dict[str, Any]) -> None:
     steps = 5
     results = run_ranks(recorded_run, 2, method, opts, steps=steps, find_unused=True, accumulate=2)
-    check_against_reference(method, opts, results, rtol=1e-4, atol=1e-5)
+    check_against_reference(method, opts, results)
     for res in results:
         assert res["state"]["step"] == steps  # no_sync micro-steps are not counted
         assert res["log"][-1]["out"]["unused.weight"] is None
@@ -132,10 +131,13 @@ def test_unused_parameters_and_no_sync_accumulation_keep_state_consistent(method
 def test_checkpoint_resume_gives_the_same_next_updates(method: str, opts: dict[str, Any]) -> None:
     straight = run_ranks(resume_run, 2, method, opts, steps=7, split=4, fresh=False)
     resumed = run_ranks(resume_run, 2, method, opts, steps=7, split=4, fresh=True)
+    # Same arithmetic on both sides, except that the resumed DDP starts from its initial
+    # bucket layout (rebuilt after one step), which may order each 2-rank sum and the
+    # batched low-rank products differently: world terms per sum, 3 steps carried forward.
     for a_rank, b_rank in zip(straight, resumed):
         for a, b in zip(a_rank, b_rank):
             for name in a:
-                assert torch.allclose(a[name], b[name], rtol=1e-6, atol=1e-7), (method, name)
+                assert_close_eps(a[name], b[name], torch.float32, ops=2 * 3, msg=(method, name))
 
 
 @pytest.mark.parametrize("method, opts", STATEFUL, ids=[c[0] for c in STATEFUL])
@@ -158,7 +160,9 @@ def test_nonfinite_gradient_on_one_rank_is_not_folded_into_state(method: str, op
         for table in ("memory", "p", "q"):
             for t in after.get(table, {}).values():
                 assert torch.isfinite(t).all()
-    assert results[bad_rank]["warnings"] >= 1
+    for res in results:  # every rank skips the same step, and says so
+        assert [step["finite"] for step in res["log"]] == [s != bad_step for s in range(5)]
+        assert res["warnings"] >= 1
 
 
 @pytest.mark.parametrize("method", ["powersgd", "acpsgd"])
@@ -168,4 +172,4 @@ def test_low_rank_groups_left_unstacked_give_the_same_result(method: str, monkey
     monkeypatch.setattr(lowrank, "STACK_MAX_NUMEL", 0)  # every multi-matrix group: list of views
     opts = {"start_iter": 1, "rank": 2}
     results = run_ranks(recorded_run, 2, method, opts, steps=5, bucket_cap_mb=25.0)  # one bucket
-    check_against_reference(method, opts, results, rtol=1e-4, atol=1e-5)
+    check_against_reference(method, opts, results)

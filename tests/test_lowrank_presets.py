@@ -30,7 +30,7 @@ def test_preset_reproduces_paper_parameter_count_within_one_percent(name, full, 
     with torch.device("meta"):  # shapes only: no memory, no SVD
         model = models.create(name)
     assert count(model) == full
-    factorize(model)  # full_rank=None: the preset registered for model.lowcomm_name
+    model = factorize(model, inplace=True)  # full_rank=None: the preset registered for model.lowcomm_name
     got = count(model)
     assert abs(got - paper) / paper < 0.01, (got, paper)
 

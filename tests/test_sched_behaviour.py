@@ -27,6 +27,7 @@ from test_sched_correctness import (
     compare_with_ddp,
     make_optimizer,
     rel_err,
+    schedule_tolerance,
     tiny_model,
 )
 
@@ -215,8 +216,10 @@ def _checkpoint_roundtrip(spec: str, path: str) -> dict[str, Any]:
 def test_checkpoint_after_flush_holds_full_optimizer_state_and_resumes_exactly(name: str, tmp_path: Any) -> None:
     path = os.path.join(str(tmp_path), "ckpt.pt")
     for r in run_distributed(_checkpoint_roundtrip, 2, SPECS[name], path, timeout=90):
-        assert r["state_err"] <= 1e-6
-        assert r["param_err"] <= 1e-6
+        # Adam's moments after 3 steps: the gradient sums' round-off (exp_avg_sq: squared, x2);
+        # the weights after 6 steps
+        assert r["state_err"] <= 2 * schedule_tolerance(2, 3)
+        assert r["param_err"] <= schedule_tolerance(2, 6)
 
 
 # --- DeAR tuning --------------------------------------------------------------------------------
@@ -307,4 +310,5 @@ def test_single_process_without_torch_distributed_equals_plain_training(name: st
         method.finish_sync()
         method.optimizer_step(opt_eng)
     method.flush()
-    assert rel_err([p.detach() for p in eng.parameters()], [p.detach() for p in ref.parameters()]) <= 1e-6
+    # one rank: no sum to reorder, only the engine's flat-buffer copies (exact); 4 steps
+    assert rel_err([p.detach() for p in eng.parameters()], [p.detach() for p in ref.parameters()]) <= schedule_tolerance(1, 4)

@@ -59,13 +59,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args.func(args) or 0)
     except UsageError as e:
-        # Workers we launched all hit the same bad input: rank 0 alone says it.
-        if not (os.environ.get("LOWCOMM_LAUNCHED") == "1" and os.environ.get("RANK", "0") != "0"):
+        # Workers we launched usually all hit the same bad input: each hands its message to
+        # the launcher, which prints one line (see lowcomm.runtime.launch).
+        from lowcomm.runtime.launch import report_usage_error
+
+        if not report_usage_error(str(e)):
             print(f"lowcomm: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("lowcomm: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        # A worker we launched whose peer died sees its next collective fail: the launcher
+        # names the rank that died first, so this one says why it stopped in one line instead
+        # of a gloo/NCCL traceback. Anywhere else (torchrun, in-process) the traceback stays.
+        if _lost_peer(e) and os.environ.get("LOWCOMM_LAUNCHED") == "1":
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"lowcomm: worker rank {os.environ.get('RANK', '?')} stopped: lost contact "
+                  f"with a peer ({first[:200]})", file=sys.stderr)
+            return 1
+        raise
+
+
+def _lost_peer(e: BaseException) -> bool:
+    """True for the errors torch.distributed raises when a peer process has gone away."""
+    dist_error = getattr(sys.modules.get("torch.distributed"), "DistError", None)
+    if dist_error is not None and isinstance(e, dist_error):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        m in text for m in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+    )
 
 
 if __name__ == "__main__":

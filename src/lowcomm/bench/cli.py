@@ -67,6 +67,16 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _check_input_shape(text: str) -> None:
+    """The workers parse ``--input-shape`` with ``lowcomm train``'s rules: check it here, once."""
+    from lowcomm.runtime.train_cli import parse_shape
+
+    try:
+        parse_shape(text)
+    except argparse.ArgumentTypeError as e:
+        raise UsageError(f"--input-shape: {e}") from None
+
+
 def _check_kv(text: str) -> str:
     if "=" not in text:
         raise UsageError(f"--model-arg expects KEY=VALUE, got {text!r}")
@@ -78,22 +88,26 @@ def build_config(args: argparse.Namespace) -> Any:
     import os
 
     from lowcomm.bench import harness, netns
-    from lowcomm.errors import check_positive
+    from lowcomm.errors import check_count, check_positive
+    from lowcomm.runtime.config import MAX_THREADS
 
-    check_positive("--nproc", args.nproc)
-    check_positive("--iters", args.iters)
-    check_positive("--warmup", args.warmup, allow_zero=True)
-    check_positive("--batch-size", args.batch_size)
-    check_positive("--timeout", args.timeout)
+    check_count("--nproc", args.nproc, maximum=netns.MAX_WORKERS)
+    check_count("--iters", args.iters)
+    check_count("--warmup", args.warmup, minimum=0)
+    check_count("--batch-size", args.batch_size)
+    check_positive("--timeout", args.timeout)  # also refuses nan/inf: "no limit" is not offered
     if args.epochs is not None:
-        check_positive("--epochs", args.epochs)
+        check_count("--epochs", args.epochs)
     if args.threads is not None:
-        check_positive("--threads", args.threads)
+        check_count("--threads", args.threads, maximum=MAX_THREADS)
     tta = args.epochs is not None
     model = args.model or ("cnn1d" if tta else "resnet18")
     data = args.data or ("mnist1d" if tta else "synthetic")
-    nets = netns.parse_net_list(args.sweep_net) if args.sweep_net else [netns.parse_net(args.net)]
-    methods = harness.validate_methods(split_methods(args.methods or default_methods()))
+    # `is not None`: an empty --sweep-net or --methods is a mistake, not "use the default"
+    nets = netns.parse_net_list(args.sweep_net) if args.sweep_net is not None else [netns.parse_net(args.net)]
+    methods = harness.validate_methods(split_methods(args.methods if args.methods is not None else default_methods()))
+    if data == "synthetic":
+        _check_input_shape(args.input_shape)
     from lowcomm import data as data_mod
     from lowcomm import models
 

@@ -50,6 +50,9 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
     from lowcomm.comm import accounting
 
     torch.set_num_threads(threads)
+    # gloo and CPU tensors on purpose: this times what gloo delivers on the emulated link, and
+    # gloo carries CPU tensors. Timing NCCL would need CUDA tensors and a group with a CUDA
+    # backend ("cpu:gloo,cuda:nccl", see lowcomm.runtime.trainer.CUDA_BACKEND).
     dist.init_process_group("gloo")
     p, rank = dist.get_world_size(), dist.get_rank()
 

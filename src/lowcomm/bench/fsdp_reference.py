@@ -37,6 +37,7 @@ class _CountingFSDPDist:
     def all_gather_single(output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False) -> Any:
         nbytes = input_tensor.numel() * input_tensor.element_size()
         world = dist.get_world_size(group)
+        accounting.device_backend(group, input_tensor.device, what="torch_fsdp all-gather")
         accounting.ledger().record("all_gather", "torch_fsdp.ag", nbytes, accounting.wire_bytes("all_gather", nbytes, world))
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
@@ -45,7 +46,8 @@ class _CountingFSDPDist:
                               async_op: bool = False) -> Any:
         nbytes = input.numel() * input.element_size()
         world = dist.get_world_size(group)
-        kind = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+        backend = accounting.device_backend(group, input.device, what="torch_fsdp reduce-scatter")
+        kind = "all_reduce" if backend == "gloo" else "reduce_scatter"
         accounting.ledger().record("reduce_scatter", "torch_fsdp.rs", nbytes, accounting.wire_bytes(kind, nbytes, world))
         return dist.reduce_scatter_single(output=output, input=input, group=group, op=op, async_op=async_op)
 

@@ -13,6 +13,8 @@ and decode work is inside ``backward`` / ``comm_wait`` of the breakdown. On gloo
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,13 @@ class TorchPowerSGDOptions:
     def __post_init__(self) -> None:
         if self.rank < 1:
             raise UsageError(f"torch_powersgd: rank must be >= 1, got {self.rank}")
+        if self.start_iter < 0:
+            raise UsageError(f"torch_powersgd: start_iter must be >= 0, got {self.start_iter}")
+        if not (math.isfinite(self.min_compression_rate) and self.min_compression_rate > 0):
+            raise UsageError(
+                "torch_powersgd: min_compression_rate must be a finite number > 0, "
+                f"got {self.min_compression_rate}"
+            )
         # PyTorch refuses start_powerSGD_iter < 2 with error feedback or warm start.
         if self.error_feedback or self.warm_start:
             self.start_iter = max(2, self.start_iter)
@@ -75,7 +84,7 @@ class TorchPowerSGD(Method):
         gloo pairs mismatched collectives and aborts ("Received data size doesn't match").
         One bucket keeps a single chain of collectives, identical on every rank.
         """
-        if dist.is_initialized() and dist.get_backend(ctx.process_group) == "gloo":
+        if accounting.device_backend(ctx.process_group, ctx.device) == "gloo":
             ctx = dataclasses.replace(ctx, bucket_cap_mb=max(ctx.bucket_cap_mb, 1e5))
         return super().wrap(model, ctx)
 

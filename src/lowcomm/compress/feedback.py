@@ -7,10 +7,16 @@ tensor (no copies in the hot path); it is split into per-name pieces only when t
 changes or for :meth:`ParamStore.state_dict`.
 
 NaN/Inf policy (documented in docs/compression.md): a non-finite input is never folded into
-the memory. The wrapper leaves the memory/momentum of that bucket unchanged and warns; the
-comm hook poisons the payload so the aggregated gradient is non-finite on *every* rank
-(an AMP grad scaler or the trainer's check then skips the step) while the collective
-sequence stays identical on all ranks (no hang).
+the memory. The wrapper leaves the memory/momentum of that bucket unchanged; the comm hook
+poisons the payload so the aggregated gradient is non-finite on *every* rank (an AMP grad
+scaler or the trainer's check then skips the step) while the collective sequence stays
+identical on all ranks (no hang).
+
+No host synchronization: the decision "finite or not" is a 0-dim bool tensor on the
+gradient's device (:func:`finite_flag`) and every state update is branch-free
+(``torch.where``), because a ``bool(tensor)`` per bucket drains the CUDA stream in the middle
+of backward and kills the overlap of communication with computation. The flag is read once
+per step, after backward (:class:`StepFlags`, the trainer), where the warning is issued.
 """
 
 from __future__ import annotations
@@ -21,23 +27,91 @@ from typing import Any, Sequence
 import torch
 
 from lowcomm.compress.base import Compressor
+from lowcomm.compress.lowrank import orthogonalize
+
+
+def finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool tensor on ``t``'s device: True iff every entry of ``t`` is finite.
+
+    Never synchronizes with the host (use it inside hooks). One read pass: NaN/Inf propagate
+    into the sum; a sum that overflows the float range also reads as non-finite, which errs
+    on the safe side (the step is skipped, the state kept). Half-precision tensors are summed
+    in float32 so that ordinary values do not overflow.
+    """
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.isfinite(t.sum(dtype=torch.float32))
+    if not t.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.isfinite(t.sum())
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True iff every entry is finite. One read pass: NaN/Inf propagate into the sum; a sum
-    that overflows float range also reads as non-finite, which errs on the safe side."""
-    if t.numel() == 0:
-        return True
-    return bool(torch.isfinite(t.sum(dtype=torch.float32) if t.is_floating_point() else t.sum()))
+    """Host-side :func:`finite_flag`: synchronizes with the device, so never call it per
+    bucket or per factor in a hook (tests and one-off checks only)."""
+    return bool(finite_flag(t))
+
+
+def poison_(t: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """Fill a floating tensor with NaN where the 0-dim flag ``finite`` is False (in place,
+    branch-free); integer tensors (indices, packed sign bits) are left as they are."""
+    if t.is_floating_point():
+        t.masked_fill_(finite.logical_not(), float("nan"))
+    return t
+
+
+def keep_where_(dst: torch.Tensor, finite: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``dst <- new`` if ``finite`` else ``dst`` unchanged, without a host sync.
+
+    ``torch.where`` and not ``dst*(1-f) + new*f``: ``NaN * 0`` is NaN, so multiplying a
+    non-finite ``new`` by a zero flag would still poison ``dst``."""
+    return torch.where(finite, new, dst, out=dst)
+
+
+def orthogonalize_if(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """``orthogonalize(x)`` if the 0-dim flag ``finite`` holds, else ``x`` itself (non-finite,
+    so the poison travels on). Branch-free: the QR always runs, on zeros when ``x`` is not
+    finite, because what a LAPACK/cuSOLVER QR does with NaNs is not something to rely on."""
+    safe = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(finite, orthogonalize(safe), x)
 
 
 def warn_nonfinite(what: str) -> None:
+    """The NaN policy's warning; issued once per skipped step by whoever reads the step's
+    flag after backward (never from inside a hook: deciding to warn there needs a sync)."""
     warnings.warn(
-        f"non-finite gradient: {what} left unchanged this step; the aggregated gradient is "
-        "non-finite on every rank so the step can be skipped",
+        f"non-finite gradient: {what}; the aggregated gradient is non-finite on every rank "
+        "so the optimizer step is skipped",
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+class StepFlags:
+    """Device-side "was everything finite?" flags noted during one step, read once after it.
+
+    Hooks note one flag per bucket (possibly from a communication thread: ``list.append`` is
+    atomic, an in-place ``logical_or_`` on a shared tensor would race). :meth:`nonfinite`
+    combines them on the device; only the caller that needs a Python bool pays the one
+    host sync per step.
+    """
+
+    def __init__(self) -> None:
+        self._finite: list[torch.Tensor] = []
+
+    def clear(self) -> None:
+        self._finite = []
+
+    def note(self, finite: torch.Tensor) -> None:
+        self._finite.append(finite)
+
+    def nonfinite(self) -> torch.Tensor | None:
+        """0-dim bool tensor: some noted flag was False; None when nothing was noted."""
+        flags = self._finite
+        if not flags:
+            return None
+        return torch.stack(flags).all().logical_not()
 
 
 class ParamStore:
@@ -110,7 +184,7 @@ class ErrorFeedback(CompressorWrapper):
 
     The memory update uses the *local* reconstruction, which is what EF-SignSGD and top-k
     with residuals prescribe. Methods whose memory depends on the aggregate (PowerSGD) use
-    :attr:`memory` directly.
+    :attr:`memory` directly. A non-finite input leaves the memory unchanged (branch-free).
     """
 
     def compress(
@@ -119,20 +193,27 @@ class ErrorFeedback(CompressorWrapper):
         segments: Sequence[int] | None = None,
         *,
         names: Sequence[str] = ("_",),
+        finite: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], Any]:
+        """``finite``: the caller's :func:`finite_flag` of ``tensor`` (computed if None).
+        The memory is finite by construction, so ``tensor + memory`` is finite iff
+        ``tensor`` is."""
         sizes = list(segments) if segments else [tensor.numel()]
         mem = self.memory.get(names, sizes, tensor)
         comp = tensor + mem
+        if finite is None:
+            finite = finite_flag(tensor)
         payload, ctx = self.inner.compress(comp, segments)
-        if all_finite(comp):
-            mem.copy_(comp - self.inner.decompress(payload, ctx))
-        else:
-            warn_nonfinite("error-feedback memory")
+        keep_where_(mem, finite, comp - self.inner.decompress(payload, ctx))
         return payload, ctx
 
 
 class Momentum(CompressorWrapper):
-    """Compress the momentum ``m <- beta*m + (1-beta)*g`` instead of ``g`` (Signum)."""
+    """Compress the momentum ``m <- beta*m + (1-beta)*g`` instead of ``g`` (Signum).
+
+    A non-finite ``g`` leaves ``m`` unchanged (branch-free); the payload is then built from
+    the non-finite candidate, so it decodes non-finite as the NaN policy wants.
+    """
 
     def __init__(self, inner: Compressor, *, beta: float, store: ParamStore | None = None) -> None:
         super().__init__(inner, store=store)
@@ -144,11 +225,14 @@ class Momentum(CompressorWrapper):
         segments: Sequence[int] | None = None,
         *,
         names: Sequence[str] = ("_",),
+        finite: torch.Tensor | None = None,
     ) -> tuple[list[torch.Tensor], Any]:
+        """``finite``: the caller's :func:`finite_flag` of ``tensor`` (computed if None)."""
         sizes = list(segments) if segments else [tensor.numel()]
         mom = self.memory.get(names, sizes, tensor)
-        if all_finite(tensor):
-            mom.mul_(self.beta).add_(tensor, alpha=1.0 - self.beta)
-            return self.inner.compress(mom, segments)
-        warn_nonfinite("momentum")
-        return self.inner.compress(mom * self.beta + tensor * (1.0 - self.beta), segments)
+        if finite is None:
+            finite = finite_flag(tensor)
+        new = mom * self.beta
+        new.add_(tensor, alpha=1.0 - self.beta)
+        keep_where_(mom, finite, new)
+        return self.inner.compress(new, segments)

@@ -62,8 +62,14 @@ def _l1_scales(x: torch.Tensor, seg: list[int]) -> torch.Tensor:
 
 
 def _expand(scales: torch.Tensor, seg: list[int], dtype: torch.dtype) -> torch.Tensor:
-    counts = torch.tensor(seg, device=scales.device)
-    return scales.to(dtype).repeat_interleave(counts)
+    """One scale per segment, repeated over the segment's elements.
+
+    Built from views and one ``cat``, not ``repeat_interleave(torch.tensor(seg))``: the
+    latter copies the counts host-to-device and reads the output size back, two host
+    syncs per decode on CUDA, inside a comm hook's callback.
+    """
+    s = scales.to(dtype)
+    return torch.cat([s[i].expand(n) for i, n in enumerate(seg)])
 
 
 class ScaledSign(Compressor):

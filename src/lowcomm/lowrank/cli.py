@@ -29,7 +29,12 @@ def register(subparsers: Any) -> None:
     s.add_argument("--layers", action="store_true", help="also list every factorized layer and its rank")
     s.add_argument("--json", default=None, metavar="PATH", help="write the summary as JSON")
     s.set_defaults(func=run)
-    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+    p.set_defaults(func=_missing_subcommand)
+
+
+def _missing_subcommand(args: argparse.Namespace) -> int:
+    """``lowcomm lowrank`` alone is misuse like any other: one line, exit 2."""
+    raise UsageError("lowcomm lowrank needs a subcommand; valid: summary (see lowcomm lowrank --help)")
 
 
 def _parse_value(text: str) -> Any:
@@ -47,13 +52,17 @@ def build_summary(model_name: str, rank_ratio: float, full_rank: str | None, mod
     from lowcomm.lowrank.summary import example_input, summary
 
     check_fraction("--rank-ratio", rank_ratio)
+    if model_args:
+        from lowcomm.runtime.train_cli import check_model_args
+
+        check_model_args(model_name, model_args)  # a rejected value is one line, not a traceback
     with torch.device("meta"):
         dense = models.create(model_name, **model_args)
         fact = models.create(model_name, **model_args)
     spec: Any = None if full_rank is None else ([] if full_rank.lower() == "none" else full_rank)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fact = factorize(fact, rank_ratio, spec)
+        fact = factorize(fact, rank_ratio, spec, inplace=True)  # our own meta copy
     example = example_input(dense)
     result = summary(dense, fact, example=example)
     result.update(model=model_name, rank_ratio=rank_ratio, full_rank=full_rank or "preset",
@@ -71,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
         if "=" not in item:
             raise UsageError(f"--model-arg {item!r} must look like key=value")
         k, v = item.split("=", 1)
+        if not k.strip():
+            raise UsageError(f"--model-arg {item!r} must look like key=value (the key is empty)")
         model_args[k.strip()] = _parse_value(v.strip())
     result = build_summary(args.model, args.rank_ratio, args.full_rank, model_args)
     from rich.console import Console

@@ -297,9 +297,17 @@ def factorize(
     ranks: dict[str, RankSpec] | None = None,
     extra_bn: bool = False,
     require_savings: bool = True,
-    inplace: bool = True,
+    inplace: bool = False,
 ) -> nn.Module:
-    """Replace the model's layers by SVD-initialized low-rank layers; return the model.
+    """Return a low-rank copy of ``model``: its layers replaced by SVD-initialized factors.
+
+    Like ``torch.ao.quantization`` conversions, the default leaves ``model`` untouched (its
+    layers are deep-copied before any is replaced), because ``small = factorize(model)``
+    reads as a copy and a caller still holding ``model`` (an optimizer built on its
+    parameters, a dense baseline to compare with) must not see it change underneath. Pass
+    ``inplace=True`` when you own the model and only want the result (saves the copy of the
+    dense weights); the returned module is then ``model`` itself, modified, except when the
+    model as a whole is one candidate layer (a bare ``nn.Linear``): a new module is returned.
 
     Args:
         model: any ``nn.Module``; models from :func:`lowcomm.models.create` have presets.
@@ -313,7 +321,8 @@ def factorize(
         extra_bn: insert a BatchNorm between the two factors (Cuttlefish); not exact at init.
         require_savings: skip layers whose low-rank form is not smaller (default). Set False
             to factorize regardless (e.g. to check full-rank reconstruction).
-        inplace: modify ``model`` (default) or work on a deep copy.
+        inplace: ``False`` (default): work on a deep copy and leave ``model`` unchanged;
+            ``True``: modify ``model`` itself.
 
     A model with nothing to factorize is returned unchanged with a warning.
     """

@@ -29,6 +29,7 @@ the factorized structure *before* the saved weights are loaded into it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +39,17 @@ from torch import nn
 
 from lowcomm import methods as method_registry
 from lowcomm.comm import accounting
-from lowcomm.errors import UsageError, check_fraction
+from lowcomm.errors import UsageError, check_fraction, check_positive
 from lowcomm.lowrank.decay import frobenius_decay_
 from lowcomm.lowrank.factorize import Candidate, candidates, factorize, plan, resolve_full_rank
 from lowcomm.lowrank.rank import ranks_stable, scaled_stable_rank, stable_rank
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """The device of ``model``'s parameters (CPU for a model without any)."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 @dataclass
@@ -62,10 +68,14 @@ class PufferfishOptions:
         check_fraction("pufferfish rank_ratio", self.rank_ratio)
         if self.warmup_epochs < 0:
             raise UsageError(f"pufferfish warmup_epochs must be >= 0, got {self.warmup_epochs}")
-        if self.rewarmup_epochs < 0:
-            raise UsageError(f"pufferfish rewarmup_epochs must be >= 0, got {self.rewarmup_epochs}")
-        if self.frob_decay < 0:
-            raise UsageError(f"pufferfish frob_decay must be >= 0, got {self.frob_decay}")
+        # check_positive also refuses nan/inf, which a plain "< 0" test lets through
+        check_positive("pufferfish rewarmup_epochs", self.rewarmup_epochs, allow_zero=True)
+        check_positive("pufferfish frob_decay", self.frob_decay, allow_zero=True)
+        if self.full_rank and self.full_rank.lower() != "none":
+            try:  # refused here, before any worker starts, not at factorization time
+                re.compile(self.full_rank)
+            except re.error as e:
+                raise UsageError(f"pufferfish full_rank {self.full_rank!r} is not a valid regex: {e}") from None
         name, _ = method_registry.split_spec(self.warmup_method)
         if name == "pufferfish":
             raise UsageError("pufferfish warmup_method cannot be pufferfish itself")
@@ -134,7 +144,8 @@ class Pufferfish(Method):
                 "pufferfish: nothing to factorize in this model at rank_ratio="
                 f"{o.rank_ratio} (no layer outside the full-rank set gets smaller)"
             )
-        model = factorize(model, o.rank_ratio, o.full_rank_spec(), ranks=self.ranks, extra_bn=o.extra_bn)
+        # the trainer hands the model over and uses only the result: no copy of the weights
+        model = factorize(model, o.rank_ratio, o.full_rank_spec(), ranks=self.ranks, extra_bn=o.extra_bn, inplace=True)
         self._model = model
         return model
 
@@ -168,7 +179,7 @@ class Pufferfish(Method):
         chosen = plan(model, o.rank_ratio, o.full_rank_spec())
         if not o.auto_rank:
             return {c.name: spec for c, spec in chosen}
-        slot_ranks = self._broadcast_ints(self._auto_slot_ranks(model))
+        slot_ranks = self._broadcast_ints(self._auto_slot_ranks(model), _device_of(model))
         out: dict[str, Any] = {}
         for c in self._candidates(model):
             spec = c.spec_from_slots({s: slot_ranks[f"{c.name}|{s}"] for s in c.matrices()})
@@ -177,12 +188,15 @@ class Pufferfish(Method):
                 out[c.name] = spec
         return out
 
-    def _broadcast_ints(self, values: dict[str, int]) -> dict[str, int]:
-        """Rank 0's values on every rank (keys are in the same order everywhere)."""
+    def _broadcast_ints(self, values: dict[str, int], device: torch.device) -> dict[str, int]:
+        """Rank 0's values on every rank (keys are in the same order everywhere).
+
+        ``device`` is the model's: a process group on NCCL alone has no CPU backend.
+        """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return values
         keys = list(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.int64)
+        t = torch.tensor([values[k] for k in keys], dtype=torch.int64, device=device)
         accounting.broadcast(t, src=0, tag="pufferfish.ranks")
         return dict(zip(keys, (int(v) for v in t.tolist())))
 
@@ -202,6 +216,7 @@ class Pufferfish(Method):
         if self._pending_inner_state is not None:
             self.inner.load_state_dict(self._pending_inner_state)
             self._pending_inner_state = None
+        self.inner.attach_scaler(self.scaler)  # the inner method may be new (the switch)
         wrapped = self.inner.wrap(model, ctx)
         self.ddp = self.inner.ddp
         return wrapped
@@ -211,6 +226,26 @@ class Pufferfish(Method):
 
     def finish_sync(self) -> None:
         self.inner.finish_sync()
+
+    # --- AMP and non-finite steps: the inner method synchronizes the gradient -------------
+    def attach_scaler(self, scaler: Any) -> None:
+        super().attach_scaler(scaler)
+        self.inner.attach_scaler(scaler)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        # before optimizer_step: Frobenius decay is then added to unscaled gradients
+        self.inner.unscale_(optimizer)
+
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        return self.inner.nonfinite_flag()
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """A skipped step still counts (as under a GradScaler, whose skip happens inside
+        :meth:`optimizer_step`): the re-warm-up follows the LR schedule, which advances."""
+        self.steps += 1
+        if self.switched:
+            self.steps_since_switch += 1
+        self.inner.skip_step(optimizer)
 
     def flush(self) -> None:
         self.inner.flush()
@@ -261,7 +296,8 @@ class Pufferfish(Method):
             return False
         switch = o.warmup_epochs > 0 and epoch >= o.warmup_epochs
         if o.auto_switch and self._model is not None and self.srank_init is not None:
-            self.rank_history.append(self._broadcast_ints(self._auto_slot_ranks(self._model)))
+            ranks = self._broadcast_ints(self._auto_slot_ranks(self._model), _device_of(self._model))
+            self.rank_history.append(ranks)
             switch = switch or ranks_stable(self.rank_history)
         if not switch:
             return False

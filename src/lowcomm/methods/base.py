@@ -4,12 +4,26 @@ The trainer drives every method through the same life cycle::
 
     model = method.prepare(model)            # model axis (e.g. Pufferfish factorization)
     wrapped = method.wrap(model, ctx)        # DDP + comm hook, or a scheduling engine
+    method.attach_scaler(scaler)             # fp16 AMP: the GradScaler (None otherwise)
     for each step:
-        out = wrapped(x); loss.backward()    # gradients synchronized by hooks during backward
+        out = wrapped(x); loss.backward()    # (scaler.scale(loss) under AMP) hooks sync grads
         method.finish_sync()                 # timed as exposed communication wait
-        method.optimizer_step(optimizer)     # default: optimizer.step()
+        if scaler:
+            method.unscale_(optimizer)       # unscale + inf check in the scaler, no host sync
+            method.optimizer_step(optimizer) # scaler.step: skipped on inf/NaN
+            scaler.update()
+        elif method.nonfinite_flag() is true: # device flag, read once per step
+            method.skip_step(optimizer)
+        else:
+            method.optimizer_step(optimizer) # default: optimizer.step()
     method.flush()                           # before evaluation / checkpoint: weights complete
     if method.on_epoch_end(epoch): ...       # True: trainer re-prepares, re-wraps, rebuilds optim
+
+With the compression methods and the scheduling engine, non-finite gradients never reach
+the weights: a non-finite input's payload is poisoned so that the synchronized gradient is
+non-finite on *every* rank, the method's state is kept unchanged, and a device flag records
+it; the one host read of that flag per step happens after backward (the trainer), never
+per bucket inside backward. (Plain ``ssgd`` tracks nothing: only a GradScaler skips there.)
 
 Options are a dataclass per method; ``name:key=value,...`` strings are converted using the
 field types, and unknown keys are refused with the list of valid ones.
@@ -18,6 +32,7 @@ field types, and unknown keys are refused with the list of valid ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -46,6 +61,18 @@ class NoOptions:
     """Methods without options."""
 
 
+@dataclass(frozen=True)
+class OptimizerOverride:
+    """A training setting a method needs changed to train well (see
+    :meth:`Method.optimizer_overrides`): ``field`` of the training config, its new value,
+    why (one line, for the notice), and the fields whose override it presupposes."""
+
+    field: str
+    value: Any
+    why: str
+    requires: tuple[str, ...] = ()
+
+
 class Method:
     """Base class: plain DDP with no comm hook. Subclasses override what they change."""
 
@@ -60,6 +87,8 @@ class Method:
         self.options = options if options is not None else self.Options()
         self.ctx: MethodContext | None = None
         self.ddp: nn.Module | None = None
+        #: ``torch.amp.GradScaler`` for fp16 AMP (see :meth:`attach_scaler`), else None
+        self.scaler: Any = None
 
     # --- model axis -------------------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -90,7 +119,51 @@ class Method:
         """Wait for gradient communication still in flight after backward."""
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+        """The update. With a scaler attached, GradScaler's semantics: skipped when its inf
+        check (see :meth:`unscale_`) found a non-finite gradient."""
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+        else:
+            optimizer.step()
+
+    # --- AMP and non-finite steps -----------------------------------------------------------
+    def attach_scaler(self, scaler: Any) -> None:
+        """Hand the trainer's ``torch.amp.GradScaler`` (or None) to the method.
+
+        Why the method needs it: comm hooks see *scaled* gradients, and state that outlives a
+        step (error-feedback memory, momentum) must be kept in unscaled units or it is off by
+        the scale's change every time the scaler grows or backs off (``lowcomm.comm.amp``).
+        Methods that hold the gradient themselves (scheduling engine) also run the scaler's
+        unscale/skip logic on it. Called after :meth:`wrap`, again after every re-wrap.
+        """
+        self.scaler = scaler
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale this step's synchronized gradient and record the scaler's inf check
+        (no host sync). Default: ``scaler.unscale_(optimizer)`` on ``p.grad``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        """0-dim bool tensor on the gradients' device: this step's synchronized gradient has a
+        non-finite entry, identically on every rank. None when the method does not track it
+        (plain DDP). Reading it is the caller's one host sync per step."""
+        return None
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called instead of :meth:`optimizer_step` for a step whose gradient is non-finite
+        (no GradScaler). Default: nothing to undo."""
+
+    def optimizer_overrides(self, cfg: Any) -> list[OptimizerOverride]:
+        """Optimizer settings this method needs, given the training config ``cfg``.
+
+        Why a method may ask: some payloads change what the optimizer should do (Signum
+        carries its own momentum, so SGD momentum on top compounds it). The trainer applies
+        an override only to a setting the user left at its default, printing one line on
+        rank 0; a setting given explicitly is kept, with a warning
+        (:func:`lowcomm.runtime.optim.apply_method_overrides`). Default: none.
+        """
+        return []
 
     def flush(self) -> None:
         """Complete anything pending so the weights are whole (before eval or checkpoint)."""
@@ -124,13 +197,23 @@ def _convert(value: str, annotation: Any, key: str, method: str) -> Any:
         if kind in ("int",):
             return int(value)
         if kind in ("float",):
-            return float(value)
+            return _finite(float(value), key, method)
         if kind in ("int|None", "Optional[int]"):
             return None if value.lower() == "none" else int(value)
         if kind in ("float|None", "Optional[float]"):
-            return None if value.lower() == "none" else float(value)
+            return None if value.lower() == "none" else _finite(float(value), key, method)
+    except UsageError:
+        raise
     except ValueError:
-        raise UsageError(f"option {key}={value!r} of method {method!r} must be a {kind}") from None
+        article = "an" if kind[0] in "aeiou" else "a"
+        raise UsageError(f"option {key}={value!r} of method {method!r} must be {article} {kind}") from None
+    return value
+
+
+def _finite(value: float, key: str, method: str) -> float:
+    """No method option means anything at ``nan`` or ``inf`` (``1e400`` parses as ``inf``)."""
+    if not math.isfinite(value):
+        raise UsageError(f"option {key}={value} of method {method!r} must be a finite number")
     return value
 
 

@@ -10,6 +10,17 @@ Layout in the checkpoint directory::
 Every file is written to a temporary name, fsynced and renamed, and ``latest.json`` is only
 replaced after all ranks have finished theirs (a barrier), so a crash at any point leaves
 the previous complete checkpoint in place. Older step files are then removed.
+
+What a kill (SIGKILL, OOM, power loss) at any moment can leave behind, and why none of it is
+ever loaded:
+
+* a truncated ``.tmp-*`` file: never read (only final names are), removed by the next commit;
+* complete rank files of a step whose ``latest.json`` was not written yet: ignored, since
+  :func:`latest` names the step to load, and replaced or removed later;
+* ``latest.json`` itself is replaced atomically: the old or the new one, never half of one.
+
+The folder is fsynced after each rename so that, after a power loss, a manifest on disk never
+points at rank files whose rename was not yet durable.
 """
 
 from __future__ import annotations
@@ -24,19 +35,37 @@ from typing import Any
 import numpy as np
 import torch
 
+from lowcomm.errors import UsageError
+
 MANIFEST = "latest.json"
+TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _atomic_write_bytes(path: str, write: Any) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -97,9 +126,14 @@ def save_rank(directory: str, step: int, rank: int, payload: dict[str, Any]) -> 
 
 
 def commit(directory: str, step: int, meta: dict[str, Any]) -> None:
-    """Point ``latest.json`` at ``step`` (call after every rank saved), drop older files."""
+    """Point ``latest.json`` at ``step`` (call after every rank saved), drop older files.
+
+    Also removes temporary files that writers killed mid-write left behind: commit runs
+    between two barriers, when no rank is writing, so every ``.tmp-*`` file is stale.
+    """
     atomic_write_json({"step": step, **meta}, os.path.join(directory, MANIFEST))
-    for path in glob.glob(os.path.join(directory, "ckpt-*-rank*.pt")):
+    stale = glob.glob(os.path.join(directory, "ckpt-*-rank*.pt")) + glob.glob(os.path.join(directory, TMP_PREFIX + "*"))
+    for path in stale:
         if not os.path.basename(path).startswith(f"ckpt-{step:08d}-"):
             try:
                 os.unlink(path)
@@ -108,13 +142,36 @@ def commit(directory: str, step: int, meta: dict[str, Any]) -> None:
 
 
 def latest(directory: str) -> dict[str, Any] | None:
+    """The manifest of the last *complete* checkpoint in ``directory``, or None if there is none.
+
+    Rank files of later steps without a manifest (a run killed while checkpointing) are not
+    looked at: the manifest alone says which step is whole.
+    """
     path = os.path.join(directory, MANIFEST)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return dict(json.load(f))
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("step"), int):
+            raise ValueError("no integer 'step'")
+    except (OSError, ValueError) as e:
+        raise UsageError(f"checkpoint manifest {path} is unreadable ({e}); remove it to start over") from None
+    return dict(manifest)
 
 
 def load_rank(directory: str, step: int, rank: int) -> dict[str, Any]:
-    """Load this rank's file with ``weights_only=True`` (no arbitrary code runs)."""
-    return dict(torch.load(rank_path(directory, step, rank), map_location="cpu", weights_only=True))
+    """Load this rank's file with ``weights_only=True`` (no arbitrary code runs).
+
+    A missing or damaged file (copied partially, edited by hand: the writer itself never
+    leaves one under a final name) is one clear error naming the file, not a pickle traceback.
+    """
+    path = rank_path(directory, step, rank)
+    if not os.path.exists(path):
+        raise UsageError(f"checkpoint file {path} is missing: the checkpoint in {directory} is incomplete")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  any unreadable file: zip, pickle or tensor errors
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"checkpoint file {path} is damaged ({reason}); restore it or remove {directory}") from None
+    return dict(state)

@@ -5,10 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lowcomm.errors import UsageError, check_positive
+from lowcomm.errors import UsageError, check_count, check_positive, check_range
 
 SCHEDULES = ("constant", "step", "multistep", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
+AMP_MODES = ("auto", "fp16", "bf16")
+#: Local worker processes one ``lowcomm train --nproc`` may start. Each is a full Python +
+#: torch process; beyond this a typo would fork-bomb the machine (use torchrun across nodes).
+MAX_LOCAL_WORKERS = 256
+#: torch threads per worker; more is a typo (torch itself fails late on absurd counts).
+MAX_THREADS = 1024
 
 
 @dataclass
@@ -35,7 +41,7 @@ class TrainConfig:
     gamma: float = 0.1
     step_size_epochs: int = 30
     clip_grad: float | None = None
-    amp: bool = False
+    amp: bool | str = False  # False / True (= "auto") / "auto" / "fp16" / "bf16"
     seed: int = 0
     threads: int | None = None
     device: str = "auto"
@@ -51,30 +57,41 @@ class TrainConfig:
     progress: bool = True
     model_args: dict[str, Any] = field(default_factory=dict)
     data_args: dict[str, Any] = field(default_factory=dict)
+    # options the user typed (``lowcomm.runtime.flags``): a method may adapt the others
+    explicit_flags: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Refuse bad numbers and names before any worker starts."""
-        check_positive("--nproc", self.nproc)
-        check_positive("--epochs", self.epochs)
-        check_positive("--batch-size", self.batch_size)
+        # Every number is checked for what it means (nan and inf included), not only its sign:
+        # a worker that starts with lr=nan trains to nan without a word.
+        check_count("--nproc", self.nproc, maximum=MAX_LOCAL_WORKERS)
+        check_count("--epochs", self.epochs)
+        check_count("--batch-size", self.batch_size)
+        check_count("--eval-batch-size", self.eval_batch_size)
         check_positive("--lr", self.lr)
         if self.steps is not None:
-            check_positive("--steps", self.steps)
+            check_count("--steps", self.steps)
         if self.warmup_steps is not None:
-            check_positive("--warmup-steps", self.warmup_steps, allow_zero=True)
+            check_count("--warmup-steps", self.warmup_steps, minimum=0)
         if self.stop_after_steps is not None:
-            check_positive("--stop-after-steps", self.stop_after_steps)
+            check_count("--stop-after-steps", self.stop_after_steps)
             if not self.checkpoint_dir:
                 raise UsageError("--stop-after-steps needs --checkpoint-dir (to resume later)")
         if self.checkpoint_every is not None:
-            check_positive("--checkpoint-every", self.checkpoint_every)
+            check_count("--checkpoint-every", self.checkpoint_every)
         check_positive("--weight-decay", self.weight_decay, allow_zero=True)
-        check_positive("--momentum", self.momentum, allow_zero=True)
+        check_range("--momentum", self.momentum, 0.0, 1.0, high_open=True)
+        check_range("--gamma", self.gamma, 0.0, 1.0, low_open=True)  # 0 would zero the LR for good
+        check_positive("--lr-warmup-epochs", self.lr_warmup_epochs, allow_zero=True)
+        for m in self.milestones:
+            check_positive("--milestones (fractions of training <= 1, or epochs)", m)
+        check_count("--step-size-epochs", self.step_size_epochs)
         check_positive("--bucket-cap-mb", self.bucket_cap_mb)
         if self.clip_grad is not None:
             check_positive("--clip-grad", self.clip_grad)
         if self.threads is not None:
-            check_positive("--threads", self.threads)
+            check_count("--threads", self.threads, maximum=MAX_THREADS)
+        check_count("--seed", self.seed, minimum=0, maximum=2**32 - 1)
         if self.optimizer not in OPTIMIZERS:
             raise UsageError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:
@@ -83,8 +100,21 @@ class TrainConfig:
             raise UsageError(f"unknown device {self.device!r}; valid: auto, cpu, cuda")
         if self.resume and not self.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir")
+        self.amp_mode()  # refuses an unknown --amp value
         if self.nesterov and self.momentum == 0:
             raise UsageError("--nesterov needs --momentum > 0")
+
+    def amp_mode(self) -> str | None:
+        """``None`` (no AMP), ``"auto"`` (plain ``--amp``: bf16 on CPU, fp16 + GradScaler on
+        CUDA), ``"fp16"`` (+ GradScaler, also on CPU) or ``"bf16"``."""
+        if self.amp is False or self.amp is None:
+            return None
+        if self.amp is True:
+            return "auto"
+        mode = str(self.amp).strip().lower()
+        if mode not in AMP_MODES:
+            raise UsageError(f"unknown --amp {self.amp!r}; valid: {', '.join(AMP_MODES)} (or no value: auto)")
+        return mode
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -3,9 +3,17 @@
 Each worker is ``python -m lowcomm <worker_args>`` with ``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, exactly the
 variables torchrun sets, so the worker code path is the same whether we or torchrun started
-it. If one worker fails, the others get ``failure_grace_s`` to stop on their own (they
-usually do, when gloo notices the closed connection), then are terminated; the message names
-the first failed rank and the command exits non-zero. Ctrl-C / SIGTERM stop every worker.
+it. If one worker fails (an exception, or killed by a signal), the others are sent SIGTERM
+at once and killed if they are still there ``failure_grace_s`` later; the message names the
+failed rank (the likely cause, when several are found dead at once) and the command exits
+non-zero. Ctrl-C / SIGTERM stop every worker.
+
+Bad input (a :class:`~lowcomm.errors.UsageError`, exit code 2) is usually seen by every
+worker at once. The workers do not print it: each writes its message to a report file in a
+folder the launcher names in ``LOWCOMM_USAGE_ERROR_DIR``, and the launcher alone prints one
+line, whatever the order in which the workers exit. (Letting rank 0 print and the launcher
+stay quiet when rank 0 failed raced: rank 1 could exit first, the launcher printed its
+"worker failed" line, then rank 0 printed the reason: two lines.)
 
 ``rank_prefix`` lets the benchmark put each rank in its own network namespace
 (``ip netns exec NS``) and ``rank_env`` bind gloo to that namespace's interface.
@@ -13,16 +21,25 @@ the first failed rank and the command exits non-zero. Ctrl-C / SIGTERM stop ever
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Callable
 
-from lowcomm.testing.distributed import free_port
-
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: Exit code of a worker that refused bad input (see :mod:`lowcomm.cli`).
+USAGE_EXIT = 2
+#: Environment variable naming the folder where launched workers report usage errors.
+USAGE_DIR_VAR = "LOWCOMM_USAGE_ERROR_DIR"
+#: After one worker refused bad input, how long the others get to finish on their own
+#: before they are stopped. Not needed for correctness (one report is enough); it only lets
+#: rank 0's report, the lowest, be the one shown when every worker has one.
+USAGE_GRACE_S = 3.0
 
 
 def under_torchrun() -> bool:
@@ -32,9 +49,77 @@ def under_torchrun() -> bool:
 
 class WorkerFailure(RuntimeError):
     def __init__(self, rank: int, returncode: int) -> None:
-        super().__init__(f"worker rank {rank} failed with exit code {returncode}")
+        super().__init__(f"worker rank {rank} {describe_exit(returncode)}")
         self.rank = rank
         self.returncode = returncode
+
+
+def describe_exit(returncode: int) -> str:
+    """``failed with exit code 3`` or ``was killed by SIGKILL`` (Popen reports signal N as -N)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by {name}"
+    return f"failed with exit code {returncode}"
+
+
+def report_usage_error(message: str) -> bool:
+    """In a worker started by :func:`launch_workers`: hand ``message`` to the launcher.
+
+    Returns False when this process was not started by us (or the report cannot be
+    written): the caller prints the message itself then. The file is written under a
+    temporary name and renamed, so the launcher never reads half a message.
+    """
+    folder = os.environ.get(USAGE_DIR_VAR)
+    rank = os.environ.get("RANK")
+    if not folder or rank is None or os.environ.get("LOWCOMM_LAUNCHED") != "1":
+        return False
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+        with os.fdopen(fd, "w") as f:
+            f.write(message)
+        os.replace(tmp, os.path.join(folder, f"rank{int(rank)}.txt"))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _usage_reports(folder: str) -> dict[int, str]:
+    reports: dict[int, str] = {}
+    for path in glob.glob(os.path.join(folder, "rank*.txt")):
+        try:
+            rank = int(os.path.basename(path)[4:-4])
+            with open(path) as f:
+                reports[rank] = f.read().strip()
+        except (OSError, ValueError):
+            continue
+    return reports
+
+
+def _cause_first(failed: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Order the ranks found dead in one poll so that the likely cause comes first.
+
+    One worker's death makes its peers fail moments later (gloo: "Connection closed by
+    peer", an exception or an abort), and one poll can see them all dead. A rank killed by
+    SIGKILL (the OOM killer, a user) or SIGTERM was killed from outside, never as a
+    consequence, so it is the cause; then bad input (exit code 2); then the lowest rank.
+    """
+
+    def key(item: tuple[int, int]) -> tuple[int, int]:
+        rank, code = item
+        outside = code in (-signal.SIGKILL, -signal.SIGTERM)
+        return (0 if outside else 1 if code == USAGE_EXIT else 2, rank)
+
+    return sorted(failed, key=key)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """Wait until every process has exited or ``timeout_s`` passed (no signals sent)."""
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
@@ -68,12 +153,41 @@ def launch_workers(
 ) -> int:
     """Run ``nproc`` workers to completion; return 0, or the first failure's exit code.
 
-    Exit code 2 from rank 0 means bad input (a :class:`~lowcomm.errors.UsageError`) whose
-    reason rank 0 printed, so the launcher stops the others without adding a line.
+    A worker killed by a signal counts as exit code 1 (not 128+N: 130 means "interrupted"
+    to the callers). Bad input reported by the workers (exit code 2) is printed once, as
+    ``lowcomm: error: ...``, even when ``quiet`` (it is the user's answer, not launcher
+    chatter); ``quiet`` silences only the launcher's own lines.
 
     ``command`` replaces ``python -m lowcomm`` (tests use it to start tiny scripts).
     """
+    # Imported here: lowcomm.testing.distributed pulls in torch._dynamo (~3 s), which the
+    # launcher itself never needs (and `lowcomm.cli` imports this module on every error).
+    from lowcomm.testing.distributed import free_port
+
     port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
+    usage_dir = tempfile.mkdtemp(prefix="lowcomm-usage-")
+    try:
+        return _run(worker_args, nproc, master_addr=master_addr, port=port, rank_env=rank_env,
+                    rank_prefix=rank_prefix, failure_grace_s=failure_grace_s, timeout_s=timeout_s,
+                    quiet=quiet, command=command, usage_dir=usage_dir)
+    finally:
+        shutil.rmtree(usage_dir, ignore_errors=True)
+
+
+def _run(
+    worker_args: list[str],
+    nproc: int,
+    *,
+    master_addr: str,
+    port: int,
+    rank_env: Callable[[int], dict[str, str]] | None,
+    rank_prefix: Callable[[int], list[str]] | None,
+    failure_grace_s: float,
+    timeout_s: float | None,
+    quiet: bool,
+    command: list[str] | None,
+    usage_dir: str,
+) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     base_env = dict(os.environ)
     for rank in range(nproc):
@@ -87,6 +201,7 @@ def launch_workers(
             MASTER_PORT=str(port),
             LOWCOMM_LAUNCHED="1",
         )
+        env[USAGE_DIR_VAR] = usage_dir
         if rank_env:
             env.update(rank_env(rank))
         program = command if command is not None else [sys.executable, "-m", "lowcomm"]
@@ -109,12 +224,21 @@ def launch_workers(
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
-                if not quiet and not (code == 2 and rank == 0):  # rank 0 already said why
+                (rank, code), *others = _cause_first(failed)
+                reports: dict[int, str] = {}
+                if code == USAGE_EXIT:
+                    # The others most likely hit the same bad input: let them finish reporting.
+                    _wait_all(procs, min(USAGE_GRACE_S, failure_grace_s))
+                    reports = _usage_reports(usage_dir)
+                if reports:  # bad input: one line, the lowest rank's reason, nothing else
+                    print(f"lowcomm: error: {reports[min(reports)]}", file=sys.stderr, flush=True)
+                elif not quiet:
+                    also = "".join(f" (rank {r} {describe_exit(c)} too)" for r, c in others)
                     print(
-                        f"lowcomm: worker rank {rank} failed with exit code {code}; "
+                        f"lowcomm: worker rank {rank} {describe_exit(code)}{also}; "
                         f"stopping the other {nproc - 1} worker(s)",
                         file=sys.stderr,
+                        flush=True,
                     )
                 _stop(procs, failure_grace_s)
                 return code if code > 0 else 1

@@ -3,11 +3,60 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lowcomm.runtime.config import TrainConfig
+
+if TYPE_CHECKING:
+    from lowcomm.methods.base import Method
+
+_FLAG = {"lr": "--lr", "momentum": "--momentum", "nesterov": "--nesterov", "optimizer": "--optimizer",
+         "weight_decay": "--weight-decay"}
+
+
+def apply_method_overrides(cfg: TrainConfig, method: Method) -> list[str]:
+    """Apply the optimizer settings ``method`` needs to ``cfg`` (in place); return the lines
+    to print (on rank 0).
+
+    The rule, as a PyTorch user would expect it: what you typed is what runs. A setting left
+    at the trainer's default is changed when the method needs another one (a notice says
+    so, with the reason); a setting given on the command line (``cfg.explicit_flags``) is
+    kept, with a warning saying what the method would use and why. An override that
+    presupposes another (Signum's lr rescaling presupposes SGD momentum off) is applied
+    only together with it. Called before the optimizer is built, so every rebuild (e.g.
+    Pufferfish's switch) sees the same settings.
+    """
+    lines: list[str] = []
+    changes: list[str] = []
+    reasons: list[str] = []
+    applied: set[str] = set()
+    explicit = set(cfg.explicit_flags)
+    for o in method.optimizer_overrides(cfg):
+        flag = _FLAG.get(o.field, "--" + o.field.replace("_", "-"))
+        current = getattr(cfg, o.field)
+        if any(r not in applied for r in o.requires):
+            continue  # its premise was not applied (e.g. the user's own --momentum)
+        if o.field in explicit:
+            if current != o.value:
+                lines.append(f"warning: --method {method.name}: keeping {flag} {_fmt(current)} as given, but "
+                             f"{o.why} (its default here: {flag} {_fmt(o.value)})")
+            continue
+        setattr(cfg, o.field, o.value)
+        applied.add(o.field)
+        changes.append(f"{flag} {_fmt(current)} -> {_fmt(o.value)}")
+        reasons.append(o.why)
+    if changes:  # one line for everything changed, before the warnings
+        lines.insert(0, f"--method {method.name}: {', '.join(changes)} ({'; '.join(reasons)}); "
+                        "give them explicitly to keep your own")
+    return lines
+
+
+def _fmt(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
 
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 

@@ -10,13 +10,15 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import math
 import os
 import sys
 import tempfile
 from typing import Any
 
-from lowcomm.errors import UsageError
+from lowcomm.errors import MAX_COUNT, UsageError, check_count
 from lowcomm.runtime.config import OPTIMIZERS, SCHEDULES, TrainConfig
+from lowcomm.runtime.flags import explicit_train_flags
 from lowcomm.runtime.launch import launch_workers, under_torchrun
 
 
@@ -24,20 +26,36 @@ def _kv(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
     key, value = text.split("=", 1)
+    if not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected key=value with a name as key, got {text!r}")
+    key = key.strip()
     try:
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return key, value
 
 
-def _shape(text: str) -> tuple[int, ...]:
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``--input-shape 3,32,32``: per-sample shape of synthetic data (also checked by ``bench``)."""
     try:
         shape = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 3,32,32, got {text!r}") from None
     if not shape or any(v < 1 for v in shape):
         raise argparse.ArgumentTypeError(f"shape dimensions must be >= 1, got {text!r}")
+    if math.prod(shape) > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"shape {text!r} has more than {MAX_COUNT} elements per sample")
     return shape
+
+
+def _milestones(text: str) -> list[float]:
+    """``--milestones 0.5,0.75``: numbers only; their range is checked by the config."""
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers like 0.5,0.75 (fractions of training) or 30,60 (epochs), got {text!r}"
+        ) from None
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
@@ -60,11 +78,14 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-decay-norm-bias", action="store_true", help="no weight decay on norms and biases")
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
     p.add_argument("--lr-warmup-epochs", type=float, default=d.lr_warmup_epochs)
-    p.add_argument("--milestones", type=lambda s: [float(v) for v in s.split(",")], default=d.milestones)
+    p.add_argument("--milestones", type=_milestones, default=d.milestones)
     p.add_argument("--gamma", type=float, default=d.gamma)
     p.add_argument("--step-size-epochs", type=int, default=d.step_size_epochs)
     p.add_argument("--clip-grad", type=float, default=None, help="max global gradient norm")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast on CPU, fp16 + GradScaler on CUDA")
+    p.add_argument(
+        "--amp", nargs="?", const="auto", default=False, metavar="{fp16,bf16}",
+        help="autocast: no value = bf16 on CPU, fp16 + GradScaler on CUDA; fp16 (+ GradScaler) or bf16 to choose",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
@@ -81,7 +102,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--model-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--input-shape", type=_shape, default=None, help="synthetic data: per-sample shape")
+    p.add_argument("--input-shape", type=parse_shape, default=None, help="synthetic data: per-sample shape")
     p.add_argument("--num-classes", type=int, default=None, help="synthetic data: classes")
     p.add_argument("--vocab-size", type=int, default=None, help="synthetic data: token vocabulary")
     p.add_argument("--quiet", action="store_true", help="no summary table")
@@ -89,6 +110,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     data_args = dict(args.data_arg)
+    for key, flag in (("num_classes", "--num-classes"), ("vocab_size", "--vocab-size")):
+        if getattr(args, key) is not None:
+            check_count(flag, getattr(args, key), minimum=2)  # one class or token predicts nothing
     for key in ("input_shape", "num_classes", "vocab_size"):
         if getattr(args, key) is not None:
             data_args[key] = getattr(args, key)
@@ -108,6 +132,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         model_args=dict(args.model_arg), data_args=data_args,
     )
     cfg.validate()
+    cfg.explicit_flags = explicit_train_flags(getattr(args, "_argv", None))  # a method adapts only the others
     return cfg
 
 
@@ -118,8 +143,45 @@ def check_names(cfg: TrainConfig) -> None:
     models.MODELS.get(cfg.model)
     data.DATASETS.get(cfg.data)
     method = methods.create(cfg.method)
+    if cfg.model_args:
+        check_model_args(cfg.model, cfg.model_args)
     if method.timing_only and cfg.eval:
         raise UsageError(f"method {cfg.method!r} is for timing only; add --no-eval")
+
+
+def check_model_args(model: str, model_args: dict[str, Any]) -> None:
+    """Build ``model`` with the user's ``--model-arg`` values on the meta device (shapes only,
+    no memory, well under a second even for large models), so that a value the constructor
+    rejects (``num_classes=-1``) is one line here and not a traceback in every worker.
+
+    Only exceptions raised *because of* user arguments are turned into usage errors: without
+    ``--model-arg`` this is not called, so a constructor bug still shows its traceback.
+    """
+    import warnings
+
+    import torch
+
+    from lowcomm import models
+
+    for key in ("num_classes", "vocab_size"):  # constructors accept 0; nothing can train with it
+        if key in model_args:
+            check_count(f"--model-arg {key}", model_args[key], minimum=2)
+    given = " ".join(f"{k}={v!r}" for k, v in model_args.items())
+    rejected = (TypeError, ValueError, RuntimeError, ArithmeticError, AssertionError, IndexError, KeyError)
+    reason = ""
+    # Meta first (free); a constructor using an op the meta device lacks (NotImplementedError,
+    # a RuntimeError) is retried for real on the CPU before the arguments are blamed.
+    for device in ("meta", "cpu"):
+        try:
+            with warnings.catch_warnings(), torch.device(device):
+                warnings.simplefilter("ignore")
+                models.create(model, **model_args)
+            return
+        except UsageError:
+            raise
+        except rejected as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise UsageError(f"model {model!r} rejects --model-arg {given}: {reason}")
 
 
 def default_threads(nproc: int) -> int:
@@ -214,16 +276,19 @@ def run_demo(args: argparse.Namespace) -> int:
     accuracy, bytes per worker, the time breakdown and speed-ups, and writes the plots.
     Without root for network namespaces it runs on loopback and says so.
     """
-    from lowcomm.cli import main as cli_main
+    from lowcomm.bench import cli as bench_cli
+    from lowcomm.cli import build_parser
 
-    os.makedirs(args.out, exist_ok=True)
     argv = ["bench", "--nproc", str(args.nproc), "--model", "cnn1d", "--model-arg", "channels=256",
             "--data", "mnist1d", "--epochs", str(args.epochs), "--methods", args.methods, "--net", args.net,
             "--json", os.path.join(args.out, "demo.json"), "--plot", os.path.join(args.out, "demo.png"),
             "--markdown", os.path.join(args.out, "demo.md")]
+    bench_args = build_parser().parse_args(argv)
+    bench_cli.build_config(bench_args)  # bad input: one line, before the output folder exists
+    os.makedirs(args.out, exist_ok=True)
     print(f"lowcomm demo: {args.methods} on {args.nproc} workers, MNIST-1D, network {args.net} "
           f"(outputs in {args.out}/)", flush=True)
-    return cli_main(argv)
+    return int(bench_cli.run(bench_args))
 
 
 def register(sub: Any) -> None:

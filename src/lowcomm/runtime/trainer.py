@@ -27,11 +27,12 @@ from lowcomm import data as data_registry
 from lowcomm import methods as method_registry
 from lowcomm import models as model_registry
 from lowcomm.comm import accounting
+from lowcomm.compress.feedback import warn_nonfinite
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import Method, MethodContext
 from lowcomm.runtime import checkpoint, timing
 from lowcomm.runtime.config import TrainConfig
-from lowcomm.runtime.optim import build_optimizer, build_scheduler
+from lowcomm.runtime.optim import apply_method_overrides, build_optimizer, build_scheduler
 
 
 @dataclass
@@ -46,6 +47,44 @@ class Dist:
         return self.rank == 0
 
 
+#: Process-group backend with CUDA: NCCL carries CUDA tensors, gloo the few CPU ones. A bare
+#: ``"nccl"`` registers no CPU backend, so any CPU collective (a stray control tensor, a
+#: library's object broadcast) would fail with "No backend type associated with device type cpu".
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def dist_backend(use_cuda: bool) -> str:
+    """The backend string for ``init_process_group``.
+
+    ``LOWCOMM_DIST_BACKEND`` overrides it (e.g. ``gloo``: several ranks sharing one GPU, which
+    NCCL refuses, for tests on a single-GPU machine); otherwise :data:`CUDA_BACKEND` with CUDA
+    and ``gloo`` without.
+    """
+    forced = os.environ.get("LOWCOMM_DIST_BACKEND", "").strip()
+    if forced:
+        return forced
+    return CUDA_BACKEND if use_cuda else "gloo"
+
+
+def _cuda_device(local: int, backend: str) -> torch.device:
+    """``cuda:LOCAL_RANK``; ranks share GPUs round-robin only where CUDA tensors go over gloo."""
+    n = torch.cuda.device_count()
+    if local < n:
+        return torch.device("cuda", local)
+    config = dist.get_backend_config() if dist.is_initialized() else backend
+    try:
+        cuda_backend = accounting.parse_backend_config(config).get("cuda")
+    except ValueError as e:
+        raise UsageError(f"LOWCOMM_DIST_BACKEND: {e}") from None
+    if cuda_backend == "nccl":
+        raise UsageError(
+            f"LOCAL_RANK {local} but only {n} CUDA device(s) visible: NCCL needs one GPU per rank; "
+            f"start at most {n} workers per node (or set LOWCOMM_DIST_BACKEND=gloo to share GPUs, "
+            "e.g. for tests)"
+        )
+    return torch.device("cuda", local % n)
+
+
 def init_distributed(cfg: TrainConfig) -> Dist:
     """Join the process group described by torchrun's environment variables (if any)."""
     rank = int(os.environ.get("RANK", 0))
@@ -54,19 +93,47 @@ def init_distributed(cfg: TrainConfig) -> Dist:
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")
-    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    backend = dist_backend(use_cuda)
+    device = _cuda_device(local, backend) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         from datetime import timedelta
 
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
+            backend,
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=float(os.environ.get("LOWCOMM_DIST_TIMEOUT_S", 300))),
         )
     return Dist(rank, world, local, device)
+
+
+def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of ``--amp``: plain ``--amp`` (``auto``) is bf16 on CPU and fp16 on
+    CUDA (as it always was); ``fp16`` / ``bf16`` choose explicitly. None: no AMP."""
+    mode = cfg.amp_mode()
+    if mode is None:
+        return None
+    if mode == "auto":
+        return torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.float16 if mode == "fp16" else torch.bfloat16
+
+
+def _open_log(path: str) -> Any:
+    """Open the JSONL step log for appending, first dropping a torn last line.
+
+    A run killed while writing a record leaves half a line; a resumed run appending after it
+    would glue its first record onto that fragment and make the file unreadable as JSONL.
+    """
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        pass
+    return open(path, "a")
 
 
 def seed_everything(seed: int) -> None:
@@ -216,6 +283,9 @@ class Trainer:
         # Encoder-decoder models trained as a copy task predict their own input.
         self.target_is_input = getattr(model_registry.info(cfg.model), "lm_target", "next") == "input"
         self.method: Method = method_registry.create(cfg.method)
+        for line in apply_method_overrides(cfg, self.method):  # e.g. signum: no SGD momentum
+            if self.dist.is_main:
+                print(f"lowcomm: {line}", file=sys.stderr, flush=True)
         if self.method.timing_only and cfg.eval:
             raise UsageError(f"method {cfg.method!r} is for timing only; use it with --no-eval")
         self.ctx = MethodContext(
@@ -233,11 +303,14 @@ class Trainer:
         self.warmup_steps = (
             cfg.warmup_steps if cfg.warmup_steps is not None else min(2, max(0, self.total_steps - 1))
         )
+        # fp16 autocast needs a GradScaler (fp16 gradients underflow); bf16 does not. Every
+        # method takes it through Method.attach_scaler (after each wrap, see _build): comm
+        # hooks keep their state in unscaled units, the scheduling engine runs the scaler's
+        # unscale/skip on its gradient shards.
+        self.amp_dtype = amp_dtype(cfg, self.dist.device)
         self.scaler: Any = None
-        if cfg.amp and self.dist.device.type == "cuda":
-            if type(self.method).optimizer_step is not Method.optimizer_step:
-                raise UsageError(f"fp16 AMP with a gradient scaler is not supported with method {cfg.method!r}")
-            self.scaler = torch.amp.GradScaler("cuda")
+        if self.amp_dtype == torch.float16:
+            self.scaler = torch.amp.GradScaler(self.dist.device.type)
         self.clock = LastGradClock()
         self.timer = timing.timer()
         self.step = 0
@@ -248,7 +321,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.iface = InterfaceCounter(os.environ.get("LOWCOMM_MEASURE_IFACE"))
         self.step_tx: list[int] = []
-        self.log_file = open(cfg.log, "a") if cfg.log and self.dist.is_main else None
+        self.log_file = _open_log(cfg.log) if cfg.log and self.dist.is_main else None
         self.tb: Any = None
         if cfg.tensorboard and self.dist.is_main:
             try:
@@ -271,6 +344,7 @@ class Trainer:
             raw.load_state_dict(resume_state["model"])
         self.raw = raw
         self.model = self.method.wrap(raw, self.ctx)
+        self.method.attach_scaler(self.scaler)
         self.clock.attach(raw)
         self.optimizer = build_optimizer(self.cfg, raw)
         self.scheduler = build_scheduler(self.cfg, self.optimizer, self.steps_per_epoch, self.total_steps)
@@ -341,10 +415,9 @@ class Trainer:
 
     # --- one step -----------------------------------------------------------------------------
     def _autocast(self) -> Any:
-        if not self.cfg.amp:
+        if self.amp_dtype is None:
             return torch.autocast(self.dist.device.type, enabled=False)
-        dtype = torch.float16 if self.dist.device.type == "cuda" else torch.bfloat16
-        return torch.autocast(self.dist.device.type, dtype=dtype)
+        return torch.autocast(self.dist.device.type, dtype=self.amp_dtype)
 
     def _phase_wall(self, name: str, start: float, end: float, hook_phases: dict[str, float]) -> None:
         """Credit wall time to ``name`` minus what hooks reported for other phases meanwhile."""
@@ -387,22 +460,44 @@ class Trainer:
             self.method.finish_sync()
 
         with t.phase("optimizer"):
-            if self.scaler is not None:
-                self.scaler.unscale_(self.optimizer)
-            if self.cfg.clip_grad:
-                clip = getattr(self.method, "clip_grad_norm_", None)
-                if clip is not None:
-                    clip(self.cfg.clip_grad)
-                else:
-                    nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.clip_grad)
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+            loss_value, skip = self._check_step(loss)
+            if skip:
+                warn_nonfinite(f"step {self.step} of {self.cfg.method!r} left the method's state unchanged")
+                self.method.skip_step(self.optimizer)
             else:
-                self.method.optimizer_step(self.optimizer)
+                if self.scaler is not None:
+                    self.method.unscale_(self.optimizer)  # inf check recorded, no host sync
+                if self.cfg.clip_grad:
+                    clip = getattr(self.method, "clip_grad_norm_", None)
+                    if clip is not None:
+                        clip(self.cfg.clip_grad)
+                    else:
+                        nn.utils.clip_grad_norm_(self.raw.parameters(), self.cfg.clip_grad)
+                self.method.optimizer_step(self.optimizer)  # with a scaler: skipped on inf/NaN
+                if self.scaler is not None:
+                    self.scaler.update()
+            # as with GradScaler, a skipped step still advances the LR schedule
             self.scheduler.step()
         self.step += 1
-        return float(loss.detach())
+        return loss_value if loss_value is not None else float(loss.detach())
+
+    def _check_step(self, loss: torch.Tensor) -> tuple[float | None, bool]:
+        """(loss value if already read, skip this step?), after backward and finish_sync.
+
+        Without a GradScaler, a method that tracks non-finite gradients (the compression
+        hooks and the engine poison a non-finite payload so that every rank sees it) gives a
+        device flag; it is read here together with the loss value, in one transfer: the only
+        host sync of the step, and none inside backward. With a scaler nothing is read here:
+        the poisoned gradient reaches the scaler's own inf check, which skips the step.
+        """
+        if self.scaler is not None:
+            return None, False
+        flag = self.method.nonfinite_flag()
+        if flag is None:
+            return None, False
+        both = torch.stack([loss.detach().float().reshape(()), flag.to(torch.float32).reshape(())])
+        loss_value, nonfinite = both.tolist()
+        return float(loss_value), bool(nonfinite)
 
     # --- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -413,9 +508,12 @@ class Trainer:
         model.eval()
         n = len(self.bundle.test)
         idx = list(range(self.dist.rank, n, self.dist.world_size))
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        correct = torch.zeros((), dtype=torch.float64)
-        count = torch.zeros((), dtype=torch.float64)
+        # Statistics stay on the training device: no host sync per batch, and the all-reduce
+        # below runs on the backend that carries the model's tensors (NCCL has no CPU one).
+        dev = self.dist.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        correct = torch.zeros((), dtype=torch.float64, device=dev)
+        count = torch.zeros((), dtype=torch.float64, device=dev)
         fetch = Batches(self.bundle.test, self.cfg.eval_batch_size, 0, 1, 0, shuffle=False)._fetch
         for b in range(0, len(idx), self.cfg.eval_batch_size):
             x, y = fetch(idx[b : b + self.cfg.eval_batch_size])
@@ -425,13 +523,14 @@ class Trainer:
             with self._autocast():
                 out = model(x)
             out = out.float()
-            loss_sum += loss_fn(self.task, out, y).double().cpu() * y.numel()
+            loss_sum += loss_fn(self.task, out, y).double() * y.numel()
             count += y.numel()
             if self.task == "classification":
-                correct += (out.argmax(-1) == y).sum().double().cpu()
+                correct += (out.argmax(-1) == y).sum().double()
         stats = torch.stack([loss_sum, correct, count])
         if dist.is_initialized():
             accounting.all_reduce(stats, tag="eval")
+        stats = stats.cpu()  # the one host sync of the evaluation
         model.train(was_training)
         loss = float(stats[0] / stats[2].clamp(min=1))
         result = {"test_loss": loss}

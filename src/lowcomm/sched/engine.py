@@ -36,6 +36,17 @@ from where it reaches ``p.grad`` exactly as an uncompressed one would.
 whole; call it before evaluation or a checkpoint. For ``shard`` it also gathers the sharded
 optimizer state into the user's optimizer, so ``optimizer.state_dict()`` on rank 0 is a full,
 ordinary checkpoint (loadable by any method); the next step re-shards it.
+
+NaN/Inf and fp16 AMP (:meth:`Engine.attach_scaler`): ``allreduce`` mode leaves the averaged
+(scaled) gradient in ``p.grad`` and the user's GradScaler works as with DDP. The sharded
+modes hold the gradient only as shards between backward and the step, so the engine gives the
+scaler an optimizer-shaped view of those shards (:class:`_ShardView`): ``scaler.unscale_``
+unscales them and records the inf check, ``scaler.step`` decides (its one host sync) and
+calls back into the engine's own step, ``scaler.update`` backs off as usual. A group whose
+gradient is non-finite on one rank is filled with NaN before its reduce-scatter, so every
+rank's shards are non-finite and every rank skips the same step. The low-rank codec works in
+unscaled units (its factor shards need no unscaling). Without a scaler,
+:meth:`Engine.nonfinite_this_step` is a device flag for the trainer's single check.
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting
+from lowcomm.compress.feedback import StepFlags, finite_flag, poison_
 from lowcomm.runtime import timing
 from lowcomm.errors import UsageError
 from lowcomm.sched.groups import Group, Unit, build_groups, collect_units
@@ -66,6 +78,45 @@ class Mode(str, Enum):
 def _names(names: list[str], limit: int = 5) -> str:
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+class _ShardView:
+    """What ``torch.amp.GradScaler`` needs of an optimizer, over the engine's gradient shards.
+
+    ``param_groups`` exposes each uncompressed shard as the ``.grad`` of an alias tensor (so
+    ``unscale_`` unscales the shards in place and checks them) plus one sentinel element that
+    is NaN when a pending low-rank factor shard is non-finite (those are already unscaled
+    and must not be divided again). ``step`` runs the engine's real update; GradScaler only
+    calls it when the check found nothing, and returns its ``True``.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        shards, factors = [], []
+        for g in self.engine.groups:
+            msg = g.msg
+            if msg is None:
+                shards.append(g.shard)
+            else:
+                factors.append(msg.shard if msg.shard is not None else msg.buf)  # type: ignore[union-attr]
+        device = self.engine.groups[0].flat.device
+        ok = torch.stack([finite_flag(f) for f in factors]).all() if factors else torch.ones((), dtype=torch.bool, device=device)
+        sentinel = torch.where(ok, 0.0, float("nan")).to(torch.float32).reshape(1)
+        params = []
+        for grad in [*shards, sentinel]:
+            alias = grad.detach()
+            alias.grad = grad
+            params.append(alias)
+        return [{"params": params}]
+
+    def step(self) -> bool:
+        assert self.optimizer is not None
+        self.engine._step(self.optimizer)
+        return True
 
 
 class Engine:
@@ -114,6 +165,10 @@ class Engine:
         self._fwd_end = time.perf_counter()
         self.on_synced: list[Callable[[Engine], None]] = []
         self._handles: list[Any] = []
+        #: optional ``torch.amp.GradScaler`` (fp16 AMP), see :meth:`attach_scaler`
+        self.scaler: Any = None
+        self._shard_view = _ShardView(self)
+        self.finite_flags = StepFlags()  # finiteness of each group's synchronized gradient
         self._broadcast_initial()
         self._register_hooks()
 
@@ -205,6 +260,9 @@ class Engine:
         if self.mode is Mode.ALLREDUCE:
             g.work = accounting.all_reduce(g.flat, group=self.pg, async_op=True, tag=self.tag)
         else:
+            # a reduce-scatter spreads a NaN only into one rank's shard: poison the whole
+            # group so that every rank sees it and skips the same step (no host sync)
+            poison_(g.flat, finite_flag(g.flat))
             g.work = accounting.reduce_scatter_tensor(
                 g.shard, g.flat, group=self.pg, async_op=True, tag=f"{self.tag}.rs"
             )
@@ -212,7 +270,9 @@ class Engine:
     def _launch_compressed(self, g: Group) -> None:
         assert self.codec is not None
         codec, ctag = self.codec, f"{self.tag}.{self.codec.kind}"
-        msg = codec.begin(g, pad_to=self.world if self.mode is Mode.DEAR else 1)
+        # DeAR applies the decoded gradient itself: it stays in unscaled units (see _ShardView)
+        rescale = self.mode is Mode.ALLREDUCE
+        msg = codec.begin(g, pad_to=self.world if self.mode is Mode.DEAR else 1, rescale=rescale)
         while not msg.final:  # PowerSGD's P: needed before Q can be computed
             if self.distributed:
                 accounting.all_reduce(msg.buf, group=self.pg, tag=f"{ctag}.{msg.name}")
@@ -248,6 +308,7 @@ class Engine:
                 g.slice_of(i).zero_()
                 g.ready.add(i)
         self._try_launch()
+        self.finite_flags.clear()
         for k in range(len(self.groups) - 1, -1, -1):
             g = self.groups[k]
             if g.work is not None:
@@ -255,7 +316,8 @@ class Engine:
                 g.work = None
             msg = g.msg
             if msg is not None and self.mode is Mode.DEAR:
-                pass  # summed factor shard: all-gathered and decoded before the next forward
+                # summed factor shard: all-gathered and decoded before the next forward
+                self.finite_flags.note(finite_flag(msg.shard if msg.shard is not None else msg.buf))
             elif self.mode is Mode.ALLREDUCE:
                 if msg is not None:
                     assert self.codec is not None
@@ -263,6 +325,7 @@ class Engine:
                     g.msg = None
                 else:
                     g.flat.div_(self.world)
+                self.finite_flags.note(finite_flag(g.flat[: g.numel]))
                 for i, p in enumerate(g.params):
                     avg = g.slice_of(i).view_as(p)
                     if p.grad is None:
@@ -271,6 +334,7 @@ class Engine:
                         p.grad.copy_(avg)
             else:
                 g.shard.div_(self.world)
+                self.finite_flags.note(finite_flag(g.shard))
             g.ready.clear()
             g.launched = False
         self._launch_ptr = 0
@@ -284,23 +348,83 @@ class Engine:
             cb(self)
 
     def _check_unused(self, missing: list[tuple[Group, int]]) -> None:
-        """First backward: refuse parameters that received no gradient, on every rank at once."""
-        count = torch.tensor([float(len(missing))])
+        """First backward: refuse parameters that received no gradient, on every rank at once.
+
+        The count lives on the gradients' device (a process group on NCCL alone has no CPU
+        backend). Reading it back is one host sync, on the first backward only: whether to
+        raise has to be decided on the host, identically on every rank.
+        """
+        device = self.groups[0].flat.device if self.groups else torch.device("cpu")
+        count = torch.tensor([float(len(missing))], device=device)
         if self.distributed and self.world > 1:
             accounting.all_reduce(count, group=self.pg, tag=f"{self.tag}.check")
-        if count.item() > 0:
+        total = int(count.item())
+        if total > 0:
             local = _names([g.names[i] for g, i in missing]) if missing else "none on this rank"
             raise UsageError(
-                f"{int(count.item())} trainable parameters (summed over ranks) got no gradient in "
+                f"{total} trainable parameters (summed over ranks) got no gradient in "
                 f"the first backward ({local}); the scheduling engine needs every trainable "
                 "parameter used in each step: freeze unused ones with requires_grad_(False)"
             )
 
+    # --- AMP and non-finite steps ---------------------------------------------------------
+    def attach_scaler(self, scaler: Any) -> None:
+        """Use ``scaler`` (a ``torch.amp.GradScaler`` or None) from the next step on: the
+        codec keeps its state in unscaled units, :meth:`unscale_` and :meth:`optimizer_step`
+        follow GradScaler's semantics (unscale, skip the step on inf/NaN, ``update`` after)."""
+        self.scaler = scaler
+        if self.codec is not None:
+            self.codec.attach_scaler(scaler)
+
+    def _active_scaler(self) -> Any:
+        s = self.scaler
+        return s if s is not None and s.is_enabled() else None
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide this step's synchronized gradient by the loss scale and record the inf
+        check in the scaler (no host sync); call after :meth:`finish_sync`, before clipping."""
+        scaler = self._active_scaler()
+        if scaler is None:
+            return
+        if self.mode is Mode.ALLREDUCE:
+            scaler.unscale_(optimizer)
+        else:
+            scaler.unscale_(self._shard_view)
+
+    def nonfinite_this_step(self) -> torch.Tensor | None:
+        """0-dim bool device tensor: this step's synchronized gradient has a non-finite
+        entry (the same on every rank). None before the first step. No host sync."""
+        return self.finite_flags.nonfinite()
+
+    def skip_step(self) -> None:
+        """Skip this step's update: drop the summed factor shards DeAR would decode at the
+        next forward (the codec keeps its factors unless the aggregate was finite)."""
+        for g in self.groups:
+            g.msg = None
+
     # --- update -----------------------------------------------------------------------------
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The update; with a scaler attached, only if the scaler's inf check passes."""
+        scaler = self._active_scaler()
         if self.mode is Mode.ALLREDUCE:
-            optimizer.step()
+            if scaler is not None:
+                scaler.step(optimizer)
+            else:
+                optimizer.step()
             return
+        if scaler is None:
+            self._step(optimizer)
+            return
+        self._shard_view.optimizer = optimizer
+        try:
+            stepped = scaler.step(self._shard_view)  # unscales first unless unscale_ ran
+        finally:
+            self._shard_view.optimizer = None
+        if stepped is None:
+            self.skip_step()
+
+    def _step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Sharded modes: record (DeAR) or run (lee18) the update, start the all-gathers."""
         self.optimizer = optimizer
         if self.mode is Mode.DEAR:
             self._hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]

@@ -21,6 +21,18 @@ keyed by the parameter's position in ``model.named_parameters()``): identical on
 without a broadcast, and the same as the DDP hooks'. Memory and factors are kept per
 parameter *name* (:class:`~lowcomm.compress.feedback.ParamStore` and dicts), so regrouping
 (MG-WFBP's plan, DeAR's tuning) and resuming keep them.
+
+NaN/Inf without host syncs (see :mod:`lowcomm.compress.feedback`): finiteness is a device
+flag, the message of a non-finite input is poisoned, and memory and factor updates are
+``torch.where`` selections that keep the old state unless the input (and, for state that
+depends on the aggregate, the summed message) is finite.
+
+AMP: with a GradScaler attached (:meth:`LowRankCodec.attach_scaler`) the group's gradient is
+divided by the loss scale before encoding, so memory and factors stay in unscaled units
+across scale changes; :meth:`LowRankCodec.finish` multiplies the decoded gradient by the
+scale that was divided out when the message asked for it (``allreduce`` mode: the trainer's
+``scaler.unscale_`` follows), and leaves it unscaled otherwise (``dear``: the engine's own
+AMP step treats the factor shards as already unscaled).
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowcomm.compress.feedback import ParamStore, all_finite, warn_nonfinite
+from lowcomm.comm.amp import current_scale
+from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, orthogonalize_if, poison_
 from lowcomm.compress.lowrank import (
     effective_rank,
     factor_seed,
@@ -79,7 +92,8 @@ class Message:
     fixed: list[torch.Tensor] = field(default_factory=list)  # the factor not sent (ACP)
     sent: list[torch.Tensor] = field(default_factory=list)  # shapes of the sent factors
     p_step: bool = True
-    finite: bool = True
+    finite: torch.Tensor | None = None  # device flag: this rank's input was finite
+    scale: torch.Tensor | None = None  # loss scale to multiply the decoded gradient by
     unc_sum: torch.Tensor | None = None  # PowerSGD: kept from the first message
     shard: torch.Tensor | None = None  # DeAR: this rank's reduce-scattered slice of ``buf``
 
@@ -122,6 +136,12 @@ class LowRankCodec:
         self.p: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
         self._layouts: dict[tuple[str, ...], Layout] = {}
+        #: optional ``torch.amp.GradScaler``: state is then kept in unscaled units
+        self.scaler: Any = None
+
+    def attach_scaler(self, scaler: Any) -> None:
+        """Divide gradients by ``scaler``'s loss scale before encoding (None: no AMP)."""
+        self.scaler = scaler
 
     @property
     def active(self) -> bool:
@@ -161,10 +181,15 @@ class LowRankCodec:
         return t.to(dtype=like.dtype, device=like.device)
 
     # --- encode -----------------------------------------------------------------------------
-    def _inputs(self, g: Group, lay: Layout) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], bool]:
-        """(uncompressed flat, per-matrix memory views, compensated matrices per batch, finite)."""
+    def _inputs(
+        self, g: Group, lay: Layout, scale: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """(uncompressed flat, per-matrix memory views, compensated matrices per batch, finite
+        flag). ``scale``: the loss scale, divided out of ``g.flat`` in place first."""
+        if scale is not None:
+            g.flat[: g.numel].div_(scale)
         views = g.flat[: g.numel].split(lay.sizes)
-        finite = all_finite(g.flat[: g.numel])
+        finite = finite_flag(g.flat[: g.numel])
         if lay.uncompressed:
             unc = torch.cat([views[i].reshape(-1) for i in lay.uncompressed])
         else:
@@ -183,15 +208,21 @@ class LowRankCodec:
             mats.append(torch.stack(ms))
         return unc, mem_views, mats, finite
 
-    def begin(self, g: Group, *, pad_to: int = 1) -> Message:
-        """First message of group ``g`` (its gradient is complete in ``g.flat``)."""
+    def begin(self, g: Group, *, pad_to: int = 1, rescale: bool = True) -> Message:
+        """First message of group ``g`` (its gradient is complete in ``g.flat``).
+
+        ``rescale``: under AMP, :meth:`finish` multiplies the decoded gradient by the loss
+        scale again, for a caller whose GradScaler unscales ``p.grad`` afterwards (False: it
+        stays unscaled, for DeAR, which applies it itself after its own inf check).
+        """
         with timing.measure("compress"):
             lay = self.layout(g)
-            unc, mem_views, mats, finite = self._inputs(g, lay)
-            if not finite:
-                warn_nonfinite(f"{self.kind} memory and factors")
+            scale = current_scale(self.scaler, g.flat.device)
+            unc, mem_views, mats, finite = self._inputs(g, lay, scale)
             if not lay.batches:
-                return self._message(g, lay, unc, [], name="unc", final=True, finite=finite, pad_to=pad_to)
+                msg = self._message(g, lay, unc, [], name="unc", final=True, finite=finite, pad_to=pad_to)
+                msg.scale = scale if rescale else None
+                return msg
             if self.kind == "powersgd":
                 qs = [
                     torch.stack([self._factor(self.q, lay.names[lay.compressed[j]], b.m, b.r, 0, g.flat) for j in b.members])
@@ -200,6 +231,7 @@ class LowRankCodec:
                 ps = [torch.bmm(m, q) for m, q in zip(mats, qs)]
                 msg = self._message(g, lay, unc, ps, name="P", final=False, finite=finite, pad_to=1)
                 msg.mats = mats
+                msg.scale = scale if rescale else None
                 return msg
             p_step = (self.step - self.start_iter) % 2 == 0
             fixed, sent = [], []
@@ -213,15 +245,17 @@ class LowRankCodec:
                     p = orthogonalize(torch.stack([self._factor(self.p, n, b.n, b.r, 1, g.flat) for n in names]))
                     fixed.append(p)
                     sent.append(torch.bmm(m.transpose(1, 2), p))
-            if mem_views and finite:  # local error feedback: e <- M - P Q^T (local factors)
+            if mem_views:  # local error feedback: e <- M - P Q^T (local factors), if finite
                 left, right = (sent, fixed) if p_step else (fixed, sent)
                 for b, a, c, m in zip(lay.batches, left, right, mats):
                     for k, j in enumerate(b.members):
-                        torch.addmm(m[k], a[k], c[k].T, alpha=-1.0, out=mem_views[j].view(b.n, b.m))
+                        mem = mem_views[j].view(b.n, b.m)
+                        keep_where_(mem, finite, torch.addmm(m[k], a[k], c[k].T, alpha=-1.0))
             msg = self._message(
                 g, lay, unc, sent, name="P" if p_step else "Q", final=True, finite=finite, pad_to=pad_to
             )
             msg.fixed, msg.p_step = fixed, p_step
+            msg.scale = scale if rescale else None
             return msg
 
     def _message(
@@ -233,7 +267,7 @@ class LowRankCodec:
         *,
         name: str,
         final: bool,
-        finite: bool,
+        finite: torch.Tensor,
         pad_to: int,
     ) -> Message:
         parts = [unc] + [f.reshape(-1) for f in factors]
@@ -242,15 +276,15 @@ class LowRankCodec:
         buf = g.flat.new_zeros(padded)
         if numel:
             torch.cat(parts, out=buf[:numel])
-        if not finite:
-            buf.fill_(float("nan"))  # every rank decodes non-finite: the step can be skipped
+        poison_(buf, finite)  # every rank decodes non-finite: the step can be skipped
         return Message(buf, name, final, g, lay, unc.numel(), sent=factors, finite=finite)
 
     def advance(self, msg: Message) -> Message:
         """PowerSGD: from the summed ``[unc, P]`` message, the ``Q`` message."""
         with timing.measure("compress"):
             p_sum = _unflatten(msg.buf[msg.unc_numel :], msg.sent)
-            p_hat = [orthogonalize(p) if all_finite(p) else p for p in p_sum]
+            p_ok = finite_flag(msg.buf)  # summed: the same on every rank
+            p_hat = [orthogonalize_if(p, p_ok) for p in p_sum]
             qs = [torch.bmm(m.transpose(1, 2), p) for m, p in zip(msg.mats, p_hat)]
             nxt = Message(
                 torch.cat([q.reshape(-1) for q in qs]),
@@ -263,6 +297,7 @@ class LowRankCodec:
                 fixed=p_hat,
                 sent=qs,
                 finite=msg.finite,
+                scale=msg.scale,
                 unc_sum=msg.buf[: msg.unc_numel],
             )
             return nxt
@@ -279,34 +314,43 @@ class LowRankCodec:
             for i in lay.uncompressed:
                 views[i].view(-1).copy_(unc[off : off + lay.sizes[i]]).div_(w)
                 off += lay.sizes[i]
-            if not lay.batches:
-                return
-            start = 0 if msg.unc_sum is not None else msg.unc_numel
-            summed = _unflatten(msg.buf[start:], msg.sent)
-            ok = all_finite(msg.buf)
-            if not ok:
-                warn_nonfinite(f"{self.kind} memory and warm start")
-            if self.kind == "powersgd":
-                left, right = msg.fixed, summed
-            else:
-                left, right = (summed, msg.fixed) if msg.p_step else (msg.fixed, summed)
-            mem_views: list[torch.Tensor] = []
-            if self.kind == "powersgd" and self.error_feedback and ok and msg.finite:
-                csizes = [lay.sizes[i] for i in lay.compressed]
-                mem = self.store.get([lay.names[i] for i in lay.compressed], csizes, g.flat)
-                mem_views = list(mem.split(csizes))
-            for b, a, c, m in zip(lay.batches, left, right, msg.mats or [None] * len(left)):
-                a = a / w
-                for k, j in enumerate(b.members):
-                    out = views[lay.compressed[j]].view(b.n, b.m)
-                    torch.mm(a[k], c[k].T, out=out)
-                    if mem_views and m is not None:  # PowerSGD: e <- M - P̂ Q_sum^T / W
-                        torch.sub(m[k], out, out=mem_views[j].view(b.n, b.m))
-            if ok:
-                table = self.q if (self.kind == "powersgd" or not msg.p_step) else self.p
-                for b, f in zip(lay.batches, summed):
-                    for k, j in enumerate(b.members):
-                        table[lay.names[lay.compressed[j]]] = f[k].clone()
+            if lay.batches:
+                self._finish_matrices(msg, views)
+            if msg.scale is not None:  # back to the units the trainer's scaler expects
+                g.flat[: g.numel].mul_(msg.scale)
+
+    def _finish_matrices(self, msg: Message, views: tuple[torch.Tensor, ...]) -> None:
+        g, lay, w = msg.group, msg.layout, float(self.world)
+        start = 0 if msg.unc_sum is not None else msg.unc_numel
+        summed = _unflatten(msg.buf[start:], msg.sent)
+        ok = finite_flag(msg.buf)  # summed over ranks: the same on every rank
+        if msg.unc_sum is not None:
+            ok = ok & finite_flag(msg.unc_sum)
+        if self.kind == "powersgd":
+            left, right = msg.fixed, summed
+        else:
+            left, right = (summed, msg.fixed) if msg.p_step else (msg.fixed, summed)
+        mem_views: list[torch.Tensor] = []
+        if self.kind == "powersgd" and self.error_feedback:
+            csizes = [lay.sizes[i] for i in lay.compressed]
+            mem = self.store.get([lay.names[i] for i in lay.compressed], csizes, g.flat)
+            mem_views = list(mem.split(csizes))
+        for b, a, c, m in zip(lay.batches, left, right, msg.mats or [None] * len(left)):
+            a = a / w
+            for k, j in enumerate(b.members):
+                out = views[lay.compressed[j]].view(b.n, b.m)
+                torch.mm(a[k], c[k].T, out=out)
+                if mem_views and m is not None:  # PowerSGD: e <- M - P̂ Q_sum^T / W, if ok
+                    keep_where_(mem_views[j].view(b.n, b.m), ok, m[k] - out)
+        # warm start / last aggregated factor: the new one if ok, else the one this step used
+        p_table = self.kind != "powersgd" and msg.p_step
+        table = self.p if p_table else self.q
+        for b, f in zip(lay.batches, summed):
+            rows = b.n if p_table else b.m
+            for k, j in enumerate(b.members):
+                name = lay.names[lay.compressed[j]]
+                old = self._factor(table, name, rows, b.r, 1 if p_table else 0, f)
+                table[name] = torch.where(ok, f[k], old)
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from lowcomm.sched.engine import Engine, Mode, ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
 from lowcomm.sched.lowrank import KINDS as LOWRANK_KINDS
 from lowcomm.sched.lowrank import LowRankCodec
-from lowcomm.sched.tune import MB, ThresholdTuner, window_time
+from lowcomm.sched.tune import MB, ThresholdTuner, check_bayes_opt, window_time
 
 
 _GATHER = ("signsgd", "signum", "topk", "gtopk")
@@ -134,6 +134,7 @@ class EngineMethod(Method):
             broadcast_buffers=getattr(self.options, "broadcast_buffers", True),
             codec=codec,
         )
+        self.engine.attach_scaler(self.scaler)
         self.setup(self.engine)
         if self._pending_state is not None:
             self._apply_lowrank(self._pending_state)
@@ -155,6 +156,21 @@ class EngineMethod(Method):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._need().optimizer_step(optimizer)
+
+    # AMP / non-finite steps: the engine holds the gradient (shards), so it does the work
+    def attach_scaler(self, scaler: Any) -> None:
+        super().attach_scaler(scaler)
+        if self.engine is not None:
+            self.engine.attach_scaler(scaler)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self._need().unscale_(optimizer)
+
+    def nonfinite_flag(self) -> torch.Tensor | None:
+        return self._need().nonfinite_this_step()
+
+    def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._need().skip_step()
 
     def flush(self) -> None:
         if self.engine is not None:
@@ -311,12 +327,24 @@ class MGWFBP(EngineMethod):
         return d
 
 
+def _control_device(engine: Engine) -> torch.device:
+    """Where small control tensors (plans, timings) travel: the gradients' device.
+
+    A process group on NCCL alone has no CPU backend, so a CPU control tensor would fail
+    there; on the training device every backend the gradients use carries it too.
+    """
+    if engine.groups:
+        return engine.groups[0].flat.device
+    return next((p.device for u in engine.units for p in u.params), torch.device("cpu"))
+
+
 def _agree(sizes: list[int], n_units: int, engine: Engine, *, tag: str) -> list[int]:
     """Rank 0's grouping, broadcast so every rank fuses identically."""
     if not (engine.distributed and engine.world > 1):
         return sizes
     plan = torch.zeros(n_units, dtype=torch.int64)
     plan[: len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
+    plan = plan.to(_control_device(engine))
     src = dist.get_global_rank(engine.pg, 0) if engine.pg is not None else 0
     accounting.broadcast(plan, src, group=engine.pg, tag=tag)
     return [int(x) for x in plan.tolist() if x > 0]
@@ -325,7 +353,7 @@ def _agree(sizes: list[int], n_units: int, engine: Engine, *, tag: str) -> list[
 def _agree_float(value: float, engine: Engine, *, tag: str) -> float:
     if not (engine.distributed and engine.world > 1):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_control_device(engine))
     src = dist.get_global_rank(engine.pg, 0) if engine.pg is not None else 0
     accounting.broadcast(t, src, group=engine.pg, tag=tag)
     return float(t.item())
@@ -349,10 +377,13 @@ class DeAROptions(CompressFields):
         if self.tune_trials < 1 or self.tune_iters < 1:
             raise UsageError("dear: tune_trials and tune_iters must be >= 1")
         check_positive("dear: tune_min_mb", self.tune_min_mb)
+        check_positive("dear: tune_max_mb", self.tune_max_mb)
         if self.tune_max_mb < self.tune_min_mb:
             raise UsageError(
                 f"dear: tune_max_mb ({self.tune_max_mb}) must be >= tune_min_mb ({self.tune_min_mb})"
             )
+        if self.tune:
+            check_bayes_opt()  # an optional package: refused here, in one line, not at step 1
 
 
 @register
@@ -389,7 +420,8 @@ class DeAR(EngineMethod):
         self._stamps.append(time.perf_counter())
         if len(self._stamps) < self.options.tune_iters + 2:  # first interval after regroup dropped
             return
-        t = torch.tensor([window_time(self._stamps[1:])], dtype=torch.float64)
+        elapsed = window_time(self._stamps[1:])
+        t = torch.tensor([elapsed], dtype=torch.float64, device=_control_device(engine))
         if engine.distributed and engine.world > 1:
             accounting.all_reduce(t, group=engine.pg, tag="dear.tune")
             t /= engine.world

@@ -9,12 +9,44 @@ optimizer; the engine broadcasts its suggestions so every rank uses the same gro
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from lowcomm.errors import UsageError
+
 MB = 1024 * 1024
+#: bayes_opt's ``acquisition`` module and argument-free ``suggest()`` (used below) exist from
+#: 2.0 on; the range pinned in pyproject's ``tune`` extra. Tested with 3.4.0.
+BAYES_OPT_MIN_MAJOR = 2
+INSTALL_HINT = "pip install 'lowcomm[tune]'"
+
+
+def check_bayes_opt() -> None:
+    """Refuse tuning before training starts, in one line, if bayes_opt cannot serve it.
+
+    Called when ``dear:tune=true`` is parsed, so the CLI prints one line and exits 2
+    instead of every rank failing with a traceback at its first step. It only looks the
+    package up (no import: bayes_opt pulls in scipy and scikit-learn, seconds of start-up).
+    """
+    try:
+        found = importlib.util.find_spec("bayes_opt") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise UsageError(f"dear:tune=true needs the bayesian-optimization package: {INSTALL_HINT}")
+    try:
+        version = importlib.metadata.version("bayesian-optimization")
+    except importlib.metadata.PackageNotFoundError:
+        return  # importable without metadata (e.g. a source checkout): let the import decide
+    major = version.split(".", 1)[0]
+    if major.isdigit() and int(major) < BAYES_OPT_MIN_MAJOR:
+        raise UsageError(
+            f"dear:tune=true needs bayesian-optimization >= {BAYES_OPT_MIN_MAJOR} (found {version}): {INSTALL_HINT}"
+        )
 
 
 @dataclass
@@ -38,7 +70,11 @@ class ThresholdTuner:
         if not 0 < self.low_mb <= self.high_mb:
             raise ValueError(f"bad threshold range [{self.low_mb}, {self.high_mb}] MB")
         # imported here: bayes_opt pulls in scipy/sklearn (seconds), needed only when tuning
-        from bayes_opt import BayesianOptimization, acquisition
+        try:
+            from bayes_opt import BayesianOptimization, acquisition
+        except ImportError:
+            check_bayes_opt()  # missing or too old: the one-line reason
+            raise
 
         lo, hi = math.log2(self.low_mb), math.log2(self.high_mb)
         if hi - lo < 1e-9:

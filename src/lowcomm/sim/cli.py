@@ -12,15 +12,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
-from lowcomm.errors import UsageError, check_positive
+from lowcomm.errors import UsageError, check_count, check_positive
 from lowcomm.methods import split_list
 from lowcomm.sim.advise import CANDIDATES, CAVEATS, advise
-from lowcomm.sim.network import parse_network
+from lowcomm.sim.network import PRESET_ALIASES, PRESETS, NetworkModel, parse_network, parse_rate
 from lowcomm.sim.predict import make_schedule, predict_iteration_time
 from lowcomm.sim.profile import Profile
+
+
+#: Largest worker count the simulator accepts: well past any real cluster (the docs cover
+#: 8-1024); larger numbers are typos.
+MAX_WORKERS = 2**20
 
 
 def split_methods(text: str) -> list[str]:
@@ -38,9 +45,29 @@ def parse_workers(text: str) -> list[int]:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--workers must be comma-separated integers, got {text!r}") from None
-    if not out or any(p < 1 for p in out):
-        raise UsageError(f"--workers needs integers >= 1, got {text!r}")
+    if not out or any(not 1 <= p <= MAX_WORKERS for p in out):
+        raise UsageError(f"--workers needs integers from 1 to {MAX_WORKERS}, got {text!r}")
     return out
+
+
+def parse_net(spec: str) -> NetworkModel:
+    """:func:`~lowcomm.sim.network.parse_network` plus the range checks a prediction needs:
+    a link rate of 0 would divide by zero, and fewer than 1 GPU per node means nothing."""
+    head = spec.split(",", 1)[0].strip().lower()
+    if head and head not in PRESETS and head not in PRESET_ALIASES:
+        rate = parse_rate(head)
+        if not math.isfinite(rate) or rate <= 0:
+            raise UsageError(f"--net rate must be a finite number > 0, got {head!r}")
+    net = parse_network(spec)
+    if net.gpus_per_node < 1:
+        raise UsageError(f"--net gpus_per_node must be >= 1, got {net.gpus_per_node}")
+    return net
+
+
+def check_device(device: str) -> None:
+    """``--device``: ``cpu`` or ``cuda[:N]``, refused in one line before torch sees it."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UsageError(f"--device must be cpu or cuda[:N], got {device!r}")
 
 
 # -- profile ------------------------------------------------------------------------------
@@ -58,7 +85,10 @@ def measure_profile(model_name: str, batch_size: int, device: str, *, iters: int
     from lowcomm import models
     from lowcomm.sim.profiler import profile_model
 
-    check_positive("--batch-size", batch_size)
+    check_count("--batch-size", batch_size)
+    check_count("--iters", iters)
+    check_count("--warmup", warmup, minimum=0)
+    check_device(device)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available; use --device cpu")
     meta = models.info(model_name)
@@ -96,7 +126,7 @@ def measure_profile(model_name: str, batch_size: int, device: str, *, iters: int
         except ImportError:
             factorize = None  # type: ignore[assignment]
         if factorize is not None:
-            small = factorize(models.create(model_name, **kw))
+            small = factorize(models.create(model_name, **kw), inplace=True)  # a fresh model
             fact = profile_model(small, batch, loss_fn, model_name=f"{model_name}:pufferfish",
                                  batch_size=batch_size, device=dev, iters=iters, warmup=warmup,
                                  measure_kernels=False)
@@ -127,7 +157,7 @@ def run_profile(args: argparse.Namespace) -> int:
 # -- simulate -----------------------------------------------------------------------------
 def simulate_table(prof: Profile, methods: list[str], workers: list[int],
                    net_spec: str, *, bucket_mb: float = 25.0) -> dict[str, Any]:
-    net = parse_network(net_spec)
+    net = parse_net(net_spec)
     kw = {"network": net, "bucket_mb": bucket_mb}
     single = predict_iteration_time(prof, "ssgd", workers=1, **kw).iter_time_s
     rows = []
@@ -187,9 +217,10 @@ def default_methods(prof: Profile) -> list[str]:
 
 def run_simulate(args: argparse.Namespace) -> int:
     prof = Profile.load(args.profile)
-    methods = split_methods(args.methods) if args.methods else default_methods(prof)
-    result = simulate_table(prof, methods, parse_workers(args.workers), args.net,
-                            bucket_mb=args.bucket_mb)
+    check_positive("--bucket-mb", args.bucket_mb)
+    workers = parse_workers(args.workers)
+    methods = split_methods(args.methods) if args.methods is not None else default_methods(prof)
+    result = simulate_table(prof, methods, workers, args.net, bucket_mb=args.bucket_mb)
     print(f"{prof.model} batch {prof.batch_size} ({prof.device}), "
           f"{prof.numel:,} params, network {result['network']['name']} "
           f"({result['network']['algorithm']})")
@@ -207,6 +238,11 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 # -- advise -------------------------------------------------------------------------------
 def run_advise(args: argparse.Namespace) -> int:
+    # Cheap checks first: a bad --workers must not cost a local profiling run.
+    check_count("--workers", args.workers, maximum=MAX_WORKERS)
+    check_positive("--bucket-mb", args.bucket_mb)
+    net = parse_net(args.net)
+    methods = split_methods(args.methods) if args.methods is not None else list(CANDIDATES)
     if args.profile:
         prof = Profile.load(args.profile)
     elif args.model:
@@ -214,9 +250,6 @@ def run_advise(args: argparse.Namespace) -> int:
         prof = measure_profile(args.model, args.batch_size, args.device)
     else:
         raise UsageError("advise needs --model M (profiled locally) or --profile PATH")
-    net = parse_network(args.net)
-    check_positive("--workers", args.workers)
-    methods = split_methods(args.methods) if args.methods else list(CANDIDATES)
     adv = advise(prof, workers=args.workers, network=net, methods=methods,
                  bucket_mb=args.bucket_mb)
     print(f"{prof.model} batch {prof.batch_size} ({prof.device}) on {args.workers} workers, "

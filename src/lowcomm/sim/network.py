@@ -213,7 +213,10 @@ def parse_rate(text: str) -> float:
     m = _RATE.match(text)
     if not m:
         raise UsageError(f"bad network rate {text!r}; use e.g. 100mbit, 1gbit, 10gbit")
-    return float(m.group(1)) * _SCALE[m.group(2).lower()]
+    rate = float(m.group(1)) * _SCALE[m.group(2).lower()]
+    if not math.isfinite(rate) or rate <= 0:
+        raise UsageError(f"network rate must be a finite number > 0, got {text!r}")
+    return rate
 
 
 def _parse_seconds(key: str, text: str) -> float:
@@ -258,6 +261,8 @@ def parse_network(spec: str) -> NetworkModel:
         else:
             raise UsageError(f"unknown network option {k!r}; valid: delay, alpha, algo, intra, "
                              "gpus_per_node")
+    if gpn < 1:
+        raise UsageError(f"gpus_per_node must be >= 1, got {gpn}")
     if intra is not None and algo == "ring":
         algo = "hierarchical"
         if gpn < 2:

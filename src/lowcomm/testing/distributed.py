@@ -3,11 +3,20 @@
 ``@distributed(world_size=2)`` turns a test body into an N-rank run; a hang or an exception on
 any rank becomes a test failure that shows every rank's output. :func:`run_distributed`
 returns each rank's (picklable) return value, for tests that compare ranks.
+
+``device="cuda"`` puts rank ``r`` on GPU ``r % device_count`` (several ranks may share one GPU
+on ``backend="gloo"``; NCCL refuses that) and starts the ranks with ``spawn`` instead of
+``fork``: a forked child cannot use CUDA once the parent has touched it, and pytest's parent
+may have. Spawned ranks import the test function by module and name, so it must be defined
+at module level (a ``@distributed`` wrapper is unwrapped to its body).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import inspect
 import multiprocessing as mp
 import os
 import pickle
@@ -16,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,6 +44,42 @@ class DistributedTestFailure(AssertionError):
     pass
 
 
+@dataclass(frozen=True)
+class _FunctionRef:
+    """A module-level function named by module, file and qualified name, for spawned ranks.
+
+    Pickle refuses a test body whose module attribute is its ``@distributed`` wrapper ("not
+    the same object"); the child imports the module and unwraps the attribute instead.
+    """
+
+    module: str
+    path: str
+    qualname: str
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any]) -> _FunctionRef | Callable[..., Any]:
+        qualname = getattr(fn, "__qualname__", "")
+        code = getattr(fn, "__code__", None)
+        if code is None or "<locals>" in qualname or not getattr(fn, "__module__", None):
+            return fn  # let pickle try (and report) as usual
+        return cls(fn.__module__, code.co_filename, qualname)
+
+    def resolve(self) -> Callable[..., Any]:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError:
+            spec = importlib.util.spec_from_file_location(self.module, self.path)
+            if spec is None or spec.loader is None:
+                raise
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[self.module] = module
+            spec.loader.exec_module(module)
+        obj: Any = module
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return inspect.unwrap(obj)
+
+
 def _child(
     rank: int,
     world_size: int,
@@ -43,6 +89,8 @@ def _child(
     kwargs: dict[str, Any],
     log_path: str,
     conn: Any,
+    backend: str = "gloo",
+    device: str = "cpu",
 ) -> None:
     log = open(log_path, "w", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -63,7 +111,11 @@ def _child(
 
         accounting.ledger().reset()
         timing.timer().steps.clear()
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if isinstance(fn, _FunctionRef):
+            fn = fn.resolve()
+        if device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(*args, **kwargs)
         dist.barrier()
         dist.destroy_process_group()
@@ -88,10 +140,22 @@ def run_distributed(
     world_size: int = 2,
     *args: Any,
     timeout: float = 120.0,
+    backend: str = "gloo",
+    device: str = "cpu",
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
-    ctx = mp.get_context("fork")
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
+
+    ``backend`` is passed to ``init_process_group``; ``device="cuda"`` binds each rank to a
+    GPU. ``start_method`` defaults to ``spawn`` with CUDA and ``fork`` otherwise (see module
+    docstring).
+    """
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    method = start_method or ("spawn" if device == "cuda" else "fork")
+    ctx = mp.get_context(method)
+    target: Any = fn if method == "fork" else _FunctionRef.of(fn)
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="lowcomm-dist-")
     procs, pipes, logs = [], [], []
@@ -100,7 +164,7 @@ def run_distributed(
         log_path = os.path.join(tmp, f"rank{rank}.log")
         p = ctx.Process(
             target=_child,
-            args=(rank, world_size, port, fn, args, kwargs, log_path, child_end),
+            args=(rank, world_size, port, target, args, kwargs, log_path, child_end, backend, device),
         )
         p.start()
         child_end.close()
@@ -143,17 +207,28 @@ def run_distributed(
     raise DistributedTestFailure(f"distributed run on {world_size} ranks failed\n" + "\n".join(report))
 
 
-def distributed(world_size: int = 2, timeout: float = 120.0) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: run the test body on ``world_size`` gloo ranks (see module docstring).
+def distributed(
+    world_size: int = 2,
+    timeout: float = 120.0,
+    *,
+    backend: str = "gloo",
+    device: str = "cpu",
+    start_method: str | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: run the test body on ``world_size`` ranks (see module docstring).
 
     The wrapped test keeps pytest fixtures that are picklable-free (e.g. ``tmp_path``), since
-    the ranks are forked, not pickled.
+    the ranks are forked, not pickled; with ``device="cuda"`` they are spawned, so fixture
+    values must pickle (``tmp_path`` does).
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> None:
-            run_distributed(fn, world_size, *args, timeout=timeout, **kwargs)
+            run_distributed(
+                fn, world_size, *args, timeout=timeout, backend=backend, device=device,
+                start_method=start_method, **kwargs,
+            )
 
         return wrapper
 

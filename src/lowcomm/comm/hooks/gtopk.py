@@ -31,7 +31,7 @@ from lowcomm.comm import accounting
 from lowcomm.comm.hooks.options import TopKOptions
 from lowcomm.comm.hooks.state import Future, HookState, done_future
 from lowcomm.compress.base import pack_payload, unpack_payload
-from lowcomm.compress.feedback import ParamStore, all_finite, warn_nonfinite
+from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, poison_
 from lowcomm.compress.topk import TopK, merge_sparse_segments, num_selected
 
 
@@ -57,12 +57,14 @@ class GTopKHook(HookState):
 
     def exchange(self, peer: int, send: torch.Tensor, *, sending: bool = True, receiving: bool = True) -> torch.Tensor:
         recv = torch.empty_like(send)
-        works = []
+        # One batch (ncclGroupStart/End on NCCL): both partners send to each other first, and
+        # unbatched sends of large messages can deadlock there waiting for their receives.
+        ops = []
         if sending:
-            works.append(accounting.isend(send, peer, group=self.group, tag=self.name))
+            ops.append(dist.P2POp(dist.isend, send, peer, self.group))
         if receiving:
-            works.append(accounting.irecv(recv, peer, group=self.group, tag=self.name))
-        for w in works:
+            ops.append(dist.P2POp(dist.irecv, recv, peer, self.group))
+        for w in accounting.batch_isend_irecv(ops, tag=self.name):
             w.wait()
         return recv
 
@@ -94,8 +96,11 @@ class GTopKHook(HookState):
         buf = bucket.buffer()
         names, sizes, _ = self.layout(bucket)
         o = self.options
+        scale = self.loss_scale  # AMP: memory in unscaled units (lowcomm.comm.amp)
         with self.timed():
-            finite = all_finite(buf)
+            if scale is not None:
+                buf.div_(scale)
+            finite = finite_flag(buf)  # device flag: no host sync inside backward
             comp = buf.clone()
             mem = None
             if o.error_feedback:
@@ -107,23 +112,21 @@ class GTopKHook(HookState):
                 g.manual_seed((o.seed * 1_000_003 + self.step * 10_007 + self.param_index.get(names[0], 0)) % (2**63))
                 self.topk.generator = g
             idx = self.topk.select_segments(comp, sizes)
-            vals = comp[idx]
-            if not finite:
-                vals.fill_(float("nan"))
+            vals = poison_(comp[idx], finite)
         gvals, gidx = self.global_topk(vals, idx.to(torch.int32), ks)
         with self.timed():
             gidx_l = gidx.long()
-            if mem is not None:
-                if finite and all_finite(gvals):
-                    chosen = torch.zeros(comp.numel(), dtype=torch.bool, device=comp.device)
-                    chosen[gidx_l] = True
-                    sent_idx = idx[chosen[idx]]
-                    comp[sent_idx] = 0
-                    mem.copy_(comp)
-                else:
-                    warn_nonfinite("gtopk memory")
+            if mem is not None:  # branch-free: kept unless this input and the result are finite
+                chosen = torch.zeros(comp.numel(), dtype=torch.bool, device=comp.device)
+                chosen[gidx_l] = True
+                comp[idx] = torch.where(chosen[idx], torch.zeros((), dtype=comp.dtype, device=comp.device), comp[idx])
+                keep_where_(mem, finite & finite_flag(gvals), comp)
+            out = gvals.to(buf.dtype) / self.world
+            self.note_aggregate(out)
+            if scale is not None:
+                out.mul_(scale)
             buf.zero_()
-            buf[gidx_l] = gvals.to(buf.dtype) / self.world
+            buf[gidx_l] = out
         return done_future(buf)
 
     def state_dict(self) -> dict[str, Any]:

@@ -11,6 +11,12 @@ PowerSGD needs Q from the all-reduced P, so its hook waits for the P all-reduce 
 hook call* and then issues the Q all-reduce from the hook too (never from a callback; see
 :mod:`lowcomm.comm.hooks.state`). ACP-SGD sends only one factor per step, so its hook never
 waits: one all-reduce per bucket per step, decoded in the callback.
+
+NaN/Inf and AMP (no host sync in the hook): finiteness is a device flag; memory and factor
+updates are ``torch.where`` selections, a non-finite aggregate is never orthogonalized (its
+QR runs on zeros and the result is discarded), and under a GradScaler the bucket is divided
+by the loss scale first, so memory and factors are in unscaled units, and the decoded
+gradient is multiplied by it again.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import torch.distributed as dist
 from lowcomm.comm import accounting
 from lowcomm.comm.hooks.options import LowRankOptions, PowerSGDOptions
 from lowcomm.comm.hooks.state import Future, HookState
-from lowcomm.compress.feedback import ParamStore, all_finite, warn_nonfinite
+from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, orthogonalize_if, poison_
 from lowcomm.compress.lowrank import (
     effective_rank,
     factor_seed,
@@ -184,10 +190,19 @@ class LowRankHook(HookState):
             off += t.numel()
         return out
 
-    def store_factors(self, table: dict[str, torch.Tensor], plan: Plan, batched: list[torch.Tensor]) -> None:
-        for g, f in zip(plan.groups, batched):
+    def store_factors(
+        self,
+        table: dict[str, torch.Tensor],
+        plan: Plan,
+        batched: list[torch.Tensor],
+        finite: torch.Tensor,
+        previous: list[torch.Tensor],
+    ) -> None:
+        """``table[name] <- batched`` where ``finite``, else ``previous`` (the factor this step
+        started from, i.e. the table entry or its seeded initial value): branch-free."""
+        for g, f, old in zip(plan.groups, batched, previous):
             for b, j in enumerate(g.members):
-                table[plan.names[plan.compressed[j]]] = f[b].clone()
+                table[plan.names[plan.compressed[j]]] = torch.where(finite, f[b], old[b])
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -220,24 +235,26 @@ class PowerSGDHook(LowRankHook):
         if not plan.groups:
             return self.allreduce_mean(buf, tag=f"{self.name}.P")
         world, o = self.world, self.options
+        scale = self.loss_scale
         with self.timed():
-            finite = all_finite(buf)
+            if scale is not None:
+                buf.div_(scale)
+            finite = finite_flag(buf)
             unc, mem_views, ms = self.split_inputs(buf, plan)
-            qs = []
+            q_start = []
             for g in plan.groups:
                 names = [plan.names[plan.compressed[j]] for j in g.members]
                 table = self.q if o.warm_start else {}
                 salt = 0 if o.warm_start else 2 * (self.step + 1) * 1_000_003
-                qs.append(torch.stack([self.factor(table, n, g.m, g.r, salt, buf) for n in names]))
-            ps = [mm_right(m, q) for m, q in zip(ms, qs)]
-            send = torch.cat([unc] + self.factors_flat(ps))
-            if not finite:
-                send.fill_(float("nan"))
+                q_start.append(torch.stack([self.factor(table, n, g.m, g.r, salt, buf) for n in names]))
+            ps = [mm_right(m, q) for m, q in zip(ms, q_start)]
+            send = poison_(torch.cat([unc] + self.factors_flat(ps)), finite)
         accounting.all_reduce(send, group=self.group, tag=f"{self.name}.P")
         with self.timed():
             unc_sum, p_flat = send[: unc.numel()], send[unc.numel() :]
+            p_ok = finite_flag(send)  # identical on every rank: all-reduced
             p_sum = self.unflatten(p_flat, ps)
-            p_hat = [orthogonalize(p) if all_finite(p) else p for p in p_sum]
+            p_hat = [orthogonalize_if(p, p_ok) for p in p_sum]
             qs = [mm_left_t(m, p) for m, p in zip(ms, p_hat)]
             send_q = torch.cat(self.factors_flat(qs))
         work = accounting.all_reduce(send_q, group=self.group, async_op=True, tag=f"{self.name}.Q")
@@ -246,14 +263,21 @@ class PowerSGDHook(LowRankHook):
             t0 = time.perf_counter()
             fut.wait()
             q_sum = self.unflatten(send_q, qs)
-            ok = all_finite(send_q)
-            if not ok:
-                warn_nonfinite("powersgd memory and warm start")
-            residual = mem_views if ok else None
+            ok = p_ok & finite_flag(send_q)  # the same on every rank
+            # memory e <- M - P^ Q_sum^T / W uses the aggregate: kept on every rank if not ok
+            residual = None
+            if mem_views is not None:
+                residual = [torch.empty_like(v) for v in mem_views]
             self.write_matrices(buf, plan, p_hat, q_sum, 1.0 / world, residual_into=residual, inputs=ms)
+            if residual is not None and mem_views is not None:
+                for mem, new in zip(mem_views, residual):
+                    keep_where_(mem, ok, new)
             self.write_uncompressed(buf, plan, unc_sum.div(world))
-            if ok and o.warm_start:
-                self.store_factors(self.q, plan, q_sum)
+            if o.warm_start:
+                self.store_factors(self.q, plan, q_sum, ok, q_start)
+            self.note_aggregate(buf)
+            if scale is not None:
+                buf.mul_(scale)
             timing.add("compress", time.perf_counter() - t0)
             return buf
 
@@ -279,30 +303,34 @@ class ACPSGDHook(LowRankHook):
             return self.allreduce_mean(buf, tag=f"{self.name}.uncompressed")
         world = self.world
         p_step = (self.step - self.options.start_iter) % 2 == 0
+        scale = self.loss_scale
         with self.timed():
-            finite = all_finite(buf)
+            if scale is not None:
+                buf.div_(scale)
+            finite = finite_flag(buf)
             unc, mem_views, ms = self.split_inputs(buf, plan)
-            fixed, sent = [], []
+            fixed, sent, start = [], [], []
             for g, m in zip(plan.groups, ms):
                 names = [plan.names[plan.compressed[j]] for j in g.members]
                 if p_step:
-                    q = orthogonalize(torch.stack([self.factor(self.q, n, g.m, g.r, 0, buf) for n in names]))
+                    q0 = torch.stack([self.factor(self.q, n, g.m, g.r, 0, buf) for n in names])
+                    q = orthogonalize(q0)
                     fixed.append(q)
                     sent.append(mm_right(m, q))
+                    start.append(torch.stack([self.factor(self.p, n, g.n, g.r, 1, buf) for n in names]))
                 else:
-                    p = orthogonalize(torch.stack([self.factor(self.p, n, g.n, g.r, 1, buf) for n in names]))
+                    p0 = torch.stack([self.factor(self.p, n, g.n, g.r, 1, buf) for n in names])
+                    p = orthogonalize(p0)
                     fixed.append(p)
                     sent.append(mm_left_t(m, p))
-            if mem_views is not None and finite:  # local EF: e <- M - P Q^T (local factor)
+                    start.append(torch.stack([self.factor(self.q, n, g.m, g.r, 0, buf) for n in names]))
+            if mem_views is not None:  # local EF: e <- M - P Q^T (local factor), if finite
                 left, right = (sent, fixed) if p_step else (fixed, sent)
                 for g, a, b, m in zip(plan.groups, left, right, ms):
                     for k, j in enumerate(g.members):
-                        torch.addmm(m[k], a[k], b[k].T, alpha=-1.0, out=mem_views[j].view(g.n, g.m))
-            elif not finite:
-                warn_nonfinite("acpsgd memory and factors")
-            send = torch.cat([unc] + self.factors_flat(sent))
-            if not finite:
-                send.fill_(float("nan"))
+                        mem = mem_views[j].view(g.n, g.m)
+                        keep_where_(mem, finite, torch.addmm(m[k], a[k], b[k].T, alpha=-1.0))
+            send = poison_(torch.cat([unc] + self.factors_flat(sent)), finite)
         tag = f"{self.name}.{'P' if p_step else 'Q'}"
         work = accounting.all_reduce(send, group=self.group, async_op=True, tag=tag)
 
@@ -313,8 +341,11 @@ class ACPSGDHook(LowRankHook):
             left, right = (summed, fixed) if p_step else (fixed, summed)
             self.write_matrices(buf, plan, left, right, 1.0 / world)
             self.write_uncompressed(buf, plan, send[: unc.numel()].div(world))
-            if all_finite(send):
-                self.store_factors(self.p if p_step else self.q, plan, summed)
+            ok = finite_flag(send)  # the same on every rank: all-reduced
+            self.store_factors(self.p if p_step else self.q, plan, summed, ok, start)
+            self.note_aggregate(buf)
+            if scale is not None:
+                buf.mul_(scale)
             timing.add("compress", time.perf_counter() - t0)
             return buf
 

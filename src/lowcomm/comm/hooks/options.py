@@ -8,19 +8,22 @@ and the valid range.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from lowcomm.errors import UsageError, check_fraction
+from lowcomm.errors import MAX_COUNT, UsageError, check_fraction, check_range
 
 
 def _check_start(start_iter: int) -> None:
-    if not isinstance(start_iter, int) or start_iter < 0:
-        raise UsageError(f"start_iter must be an integer >= 0, got {start_iter!r}")
+    if not isinstance(start_iter, int) or isinstance(start_iter, bool) or not 0 <= start_iter <= MAX_COUNT:
+        raise UsageError(f"start_iter must be an integer >= 0 (at most {MAX_COUNT}), got {start_iter!r}")
 
 
 def _check_rank(rank: int) -> None:
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise UsageError(f"rank must be an integer >= 1, got {rank!r}")
+    # The rank is clipped to each matrix's smaller side anyway; an astronomically large one
+    # is a typo, and would overflow tensor sizes before the clipping happens.
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= MAX_COUNT:
+        raise UsageError(f"rank must be an integer >= 1 (at most {MAX_COUNT}), got {rank!r}")
 
 
 def _check_density(density: float) -> None:
@@ -30,8 +33,10 @@ def _check_density(density: float) -> None:
 
 
 def _check_min_rate(rate: float) -> None:
-    if not isinstance(rate, (int, float)) or rate <= 0:
-        raise UsageError(f"min_compression_rate must be a number > 0, got {rate!r}")
+    # nan would compare false with every layer's rate (silently never compressing), inf
+    # would mean the same; neither is what anyone asks for.
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not math.isfinite(rate) or rate <= 0:
+        raise UsageError(f"min_compression_rate must be a finite number > 0, got {rate!r}")
 
 
 @dataclass
@@ -55,8 +60,7 @@ class SignumOptions:
 
     def __post_init__(self) -> None:
         _check_start(self.start_iter)
-        if not isinstance(self.momentum, (int, float)) or not 0.0 <= self.momentum < 1.0:
-            raise UsageError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        check_range("momentum", self.momentum, 0.0, 1.0, high_open=True)
 
 
 @dataclass

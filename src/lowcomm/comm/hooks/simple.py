@@ -8,6 +8,10 @@ momentum) and picks the collective from the compressor's aggregation kind:
   ``all_gather_into_tensor`` per bucket, then every rank unpacks and decodes all P payloads.
 
 The collective is issued from the hook call; decoding happens in the future's callback.
+
+Stateful compressors (error feedback, momentum) see the bucket divided by the AMP loss scale
+and their decoded result is multiplied by it again (:mod:`lowcomm.comm.amp`); stateless casts
+keep the scaled values, which is the range the scaler chose for fp16.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from lowcomm.comm.hooks.options import CastOptions, SignOptions, SignumOptions, 
 from lowcomm.comm.hooks.state import Future, HookState, poison
 from lowcomm.compress.base import Compressor, pack_payload, payload_spec, unpack_payload
 from lowcomm.compress.cast import CastCompressor
-from lowcomm.compress.feedback import ErrorFeedback, Momentum, ParamStore, all_finite
+from lowcomm.compress.feedback import CompressorWrapper, ErrorFeedback, Momentum, ParamStore, finite_flag
 from lowcomm.compress.sign import MajoritySign, ScaledSign
 from lowcomm.compress.topk import TopK
 from lowcomm.runtime import timing
@@ -46,24 +50,33 @@ class CompressorHook(HookState):
     def before_compress(self, names: list[str]) -> None:
         """Per-bucket preparation (e.g. seeding a sampler)."""
 
-    def encode(self, buf: torch.Tensor, names: list[str], sizes: list[int]) -> tuple[list[torch.Tensor], Any]:
+    def encode(
+        self, buf: torch.Tensor, names: list[str], sizes: list[int], finite: torch.Tensor
+    ) -> tuple[list[torch.Tensor], Any]:
         c = self.compressor
         if isinstance(c, (ErrorFeedback, Momentum)):
-            return c.compress(buf, sizes, names=names)
+            return c.compress(buf, sizes, names=names, finite=finite)
         return c.compress(buf, sizes)
+
+    @property
+    def stateful(self) -> bool:
+        """State kept across steps: it must live in unscaled units under AMP."""
+        return isinstance(self.compressor, CompressorWrapper)
 
     def compressed_hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
         buf = bucket.buffer()
         names, sizes, _ = self.layout(bucket)
         world, tag = self.world, self.name
+        scale = self.loss_scale if self.stateful else None
         with self.timed():
             self.before_compress(names)
+            if scale is not None:
+                buf.div_(scale)
             if self.compressor.aggregation == "all_reduce":
                 buf.div_(world)
-            finite = all_finite(buf)
-            payload, ctx = self.encode(buf, names, sizes)
-            if not finite:
-                poison(payload)
+            finite = finite_flag(buf)
+            payload, ctx = self.encode(buf, names, sizes, finite)
+            poison(payload, finite)
             if self.compressor.aggregation == "all_reduce":
                 (send,) = payload
             else:
@@ -76,6 +89,9 @@ class CompressorHook(HookState):
             def decode_sum(fut: Future[Any]) -> torch.Tensor:
                 t0 = time.perf_counter()
                 buf.copy_(self.compressor.decompress([fut.value()[0]], ctx))
+                self.note_aggregate(buf)
+                if scale is not None:
+                    buf.mul_(scale)
                 timing.add("compress", time.perf_counter() - t0)
                 return buf
 
@@ -89,6 +105,9 @@ class CompressorHook(HookState):
             parts = recv.view(world, -1)
             payloads = [unpack_payload(parts[r], spec) for r in range(world)]
             buf.copy_(self.compressor.aggregate(payloads, ctx))
+            self.note_aggregate(buf)
+            if scale is not None:
+                buf.mul_(scale)
             timing.add("compress", time.perf_counter() - t0)
             return buf
 

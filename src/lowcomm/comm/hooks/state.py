@@ -9,6 +9,17 @@ ranks' collective sequences diverge and gloo fails; here that cannot happen.
 
 Per-step counter: advanced after the hook of the bucket DDP marks ``is_last()``, so it counts
 synchronized iterations (``no_sync()`` steps never call the hook and are not counted).
+
+No host synchronization inside a hook: "is this bucket finite?" is a device-side flag that
+steers branch-free state updates and poisons the payload (see :mod:`lowcomm.compress.feedback`).
+Each bucket's *aggregated* result notes a flag in :attr:`HookState.finite_flags`; after
+backward, :attr:`HookState.nonfinite_this_step` is one device tensor for the whole step and
+:meth:`HookState.check_finite` is the single host read (with the warning) that a training
+loop without a GradScaler uses to skip the optimizer step. With a GradScaler nothing is read
+here: the poisoned aggregate reaches ``p.grad`` and the scaler's own inf check skips the step.
+
+AMP: :meth:`HookState.attach_scaler` gives the hook the GradScaler; stateful methods then
+keep their state in unscaled units (:mod:`lowcomm.comm.amp`).
 """
 
 from __future__ import annotations
@@ -23,6 +34,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting
+from lowcomm.comm.amp import current_scale
+from lowcomm.compress.feedback import StepFlags, finite_flag, poison_, warn_nonfinite
 from lowcomm.runtime import timing
 
 Future = torch.futures.Future
@@ -34,11 +47,11 @@ def done_future(t: torch.Tensor) -> Future[torch.Tensor]:
     return fut
 
 
-def poison(payload: list[torch.Tensor]) -> None:
-    """Make a payload decode to non-finite values (NaN policy, see compress.feedback)."""
+def poison(payload: list[torch.Tensor], finite: torch.Tensor) -> None:
+    """Make a payload decode to non-finite values when the 0-dim flag ``finite`` is False
+    (NaN policy, see compress.feedback); branch-free, no host sync."""
     for t in payload:
-        if t.is_floating_point():
-            t.fill_(float("nan"))
+        poison_(t, finite)
 
 
 class HookState(ABC):
@@ -55,6 +68,12 @@ class HookState(ABC):
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.step = 0
+        #: optional ``torch.amp.GradScaler``: stateful methods then work in unscaled units
+        self.scaler: Any = None
+        #: finiteness of every bucket's aggregated result in the current (or last) step
+        self.finite_flags = StepFlags()
+        self._flags_step = -1
+        self._scale: torch.Tensor | None = None
         module = getattr(ddp, "module", ddp)
         named = list(module.named_parameters())
         self._param_name = {id(p): n for n, p in named}
@@ -62,6 +81,10 @@ class HookState(ABC):
 
     # --- the hook -------------------------------------------------------------------------
     def __call__(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        if self._flags_step != self.step:  # first bucket of a synchronized step
+            self._flags_step = self.step
+            self.finite_flags.clear()
+            self._scale = current_scale(self.scaler, bucket.buffer().device)
         start = int(getattr(self.options, "start_iter", 0))
         if self.step < start:
             fut = self.allreduce_mean(bucket.buffer(), tag=f"{self.name}.warmup")
@@ -78,7 +101,44 @@ class HookState(ABC):
     def allreduce_mean(self, buf: torch.Tensor, *, tag: str) -> Future[torch.Tensor]:
         world = self.world
         work = accounting.all_reduce(buf, group=self.group, async_op=True, tag=tag)
-        return work.get_future().then(lambda f: f.value()[0].div_(world))
+
+        def mean(fut: Future[Any]) -> torch.Tensor:
+            out = fut.value()[0].div_(world)
+            self.note_aggregate(out)
+            return out
+
+        return work.get_future().then(mean)
+
+    # --- AMP and the NaN/Inf policy ---------------------------------------------------------
+    def attach_scaler(self, scaler: Any) -> None:
+        """Use ``scaler``'s loss scale from the next step on (None: gradients are unscaled)."""
+        self.scaler = scaler
+
+    @property
+    def loss_scale(self) -> torch.Tensor | None:
+        """The current step's loss scale (0-dim device tensor), None without AMP."""
+        return self._scale
+
+    def note_aggregate(self, out: torch.Tensor) -> None:
+        """Record whether a bucket's synchronized result is finite (device flag, no sync)."""
+        self.finite_flags.note(finite_flag(out))
+
+    @property
+    def nonfinite_this_step(self) -> torch.Tensor | None:
+        """0-dim bool device tensor: some bucket of the last synchronized step came out
+        non-finite (on every rank alike: the payload of a non-finite input is poisoned).
+        None before the first step. Reading it as a Python bool is a host sync."""
+        return self.finite_flags.nonfinite()
+
+    def check_finite(self) -> bool:
+        """One host read for the whole step (call it after backward, not in a hook): True if
+        the synchronized gradient is finite; otherwise warn and return False so the caller
+        skips the optimizer step (the method's state was already left unchanged)."""
+        bad = self.nonfinite_this_step
+        if bad is None or not bool(bad):
+            return True
+        warn_nonfinite(f"{self.name} state left unchanged in step {self.step - 1}")
+        return False
 
     # --- helpers ---------------------------------------------------------------------------
     def layout(self, bucket: dist.GradBucket) -> tuple[list[str], list[int], list[torch.Size]]:

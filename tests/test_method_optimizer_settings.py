@@ -1,0 +1,82 @@
+"""A method that needs other optimizer settings than the trainer's defaults gets them.
+
+Signum carries its own momentum inside the hook; with the trainer's default SGD momentum 0.9
+on top it lost 37 points on MNIST-1D against ``ssgd``. With default settings the trainer now
+turns SGD momentum off and scales the learning rate by 1 + momentum (one notice); settings
+the user typed are kept, with a warning. Fast: config and optimizer only, no training run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lowcomm import methods
+from lowcomm.cli import build_parser
+from lowcomm.runtime.config import TrainConfig
+from lowcomm.runtime.flags import explicit_train_flags
+from lowcomm.runtime.optim import apply_method_overrides, build_optimizer
+from lowcomm.runtime.train_cli import config_from_args
+
+
+def _cli_config(*argv: str) -> TrainConfig:
+    """The TrainConfig that ``lowcomm train ARGV`` gives every worker."""
+    args = build_parser().parse_args(["train", *argv])
+    args._argv = ["train", *argv]
+    return config_from_args(args)
+
+
+def _optimizer(cfg: TrainConfig) -> tuple[torch.optim.Optimizer, list[str]]:
+    lines = apply_method_overrides(cfg, methods.create(cfg.method))
+    return build_optimizer(cfg, nn.Linear(4, 2)), lines
+
+
+def test_signum_with_default_cli_settings_gets_no_sgd_momentum_and_rescaled_lr() -> None:
+    default = TrainConfig()
+    opt, lines = _optimizer(_cli_config("--method", "signum"))
+    group = opt.param_groups[0]
+    assert group["momentum"] == 0.0
+    assert group["lr"] == pytest.approx(default.lr * (1 + default.momentum))  # same stability limit
+    assert len(lines) == 1 and "--momentum 0.9 -> 0" in lines[0] and "inside its hook" in lines[0]
+
+
+def test_signum_keeps_an_explicit_momentum_and_warns() -> None:
+    opt, lines = _optimizer(_cli_config("--method", "signum", "--momentum", "0.9"))
+    assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["lr"] == TrainConfig().lr
+    assert len(lines) == 1 and lines[0].startswith("warning:") and "compound" in lines[0]
+
+
+def test_signum_with_explicit_lr_turns_momentum_off_but_keeps_the_lr() -> None:
+    opt, lines = _optimizer(_cli_config("--method", "signum:momentum=0.8", "--lr", "0.05"))
+    assert opt.param_groups[0]["momentum"] == 0.0 and opt.param_groups[0]["lr"] == 0.05
+    assert "--momentum 0.9 -> 0" in lines[0] and "momentum 0.8 inside its hook" in lines[0]
+    assert lines[1].startswith("warning:") and "keeping --lr 0.05" in lines[1]
+
+
+def test_signum_with_momentum_zero_or_adamw_changes_nothing() -> None:
+    for argv in (("--momentum", "0", "--lr", "0.5"), ("--optimizer", "adamw")):
+        cfg = _cli_config("--method", "signum", *argv)
+        before = cfg.to_dict()
+        assert apply_method_overrides(cfg, methods.create(cfg.method)) == []
+        assert cfg.to_dict() == before
+
+
+@pytest.mark.parametrize(
+    "method", ["ssgd", "fp16", "bf16", "signsgd", "topk", "gtopk", "powersgd", "acpsgd", "signum:momentum=0"]
+)
+def test_methods_without_their_own_momentum_keep_the_trainer_defaults(method: str) -> None:
+    cfg = _cli_config("--method", method)
+    assert apply_method_overrides(cfg, methods.create(method)) == []
+    assert (cfg.lr, cfg.momentum) == (TrainConfig().lr, TrainConfig().momentum)
+
+
+def test_explicit_flags_count_abbreviations_and_equals_forms_like_argparse() -> None:
+    assert explicit_train_flags(["train", "--mom", "0.5", "--lr=0.3"]) == ["lr", "momentum"]
+    assert explicit_train_flags(["train", "--method", "signum"]) == ["method"]
+    assert explicit_train_flags(None) == []
+
+
+def test_an_unparsable_command_line_counts_every_option_as_typed() -> None:
+    flags = explicit_train_flags(["train", "--momentum", "not-a-number"])
+    assert "momentum" in flags and "lr" in flags  # nothing would be overridden

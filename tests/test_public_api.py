@@ -1,0 +1,47 @@
+"""What a user types first must work: ``import lowcomm`` then ``lowcomm.hooks.register``.
+
+Checked in fresh interpreters: inside the test process every subpackage is already imported,
+which would hide a missing lazy attribute.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import lowcomm
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_import_lowcomm_does_not_import_torch() -> None:
+    out = _python("import lowcomm, sys; assert 'torch' not in sys.modules, 'torch imported'")
+    assert out.returncode == 0, out.stderr
+
+
+def test_public_entry_points_resolve_right_after_import_lowcomm() -> None:
+    out = _python(
+        "import lowcomm\n"
+        "assert callable(lowcomm.hooks.register)\n"
+        "assert callable(lowcomm.lowrank.factorize)\n"
+        "assert callable(lowcomm.models.create) and callable(lowcomm.data.create)\n"
+        "assert callable(lowcomm.methods.create)\n"
+        "assert lowcomm.comm.accounting is not None\n"
+    )
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("name", sorted(lowcomm.SUBMODULES))
+def test_every_listed_subpackage_imports_and_is_listed_by_dir(name: str) -> None:
+    assert name in dir(lowcomm) and name in lowcomm.__all__
+    assert getattr(lowcomm, name).__name__ == f"lowcomm.{name}"
+
+
+def test_unknown_attribute_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        lowcomm.nope  # noqa: B018
+    assert not hasattr(lowcomm, "optim_that_does_not_exist")
