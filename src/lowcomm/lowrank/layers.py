@@ -83,6 +83,21 @@ class LowRankLinear(nn.Module):
         else:
             self.u_blocks = nn.Parameter(torch.empty(blocks, out_features // blocks, rank, **kw))
             self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+            self._init_blocks()
+
+    @torch.no_grad()
+    def _init_blocks(self) -> None:
+        """Initialize each block as ``nn.Linear(rank, out/blocks)`` would be initialized.
+
+        A directly constructed layer must never hold ``torch.empty`` garbage (NaN or huge
+        values would train, or poison a gradient all-reduce, silently); ``from_dense``
+        overwrites these values with the SVD factors anyway.
+        """
+        for g in range(self.blocks):
+            nn.init.kaiming_uniform_(self.u_blocks[g], a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.rank)
+            nn.init.uniform_(self.bias, -bound, bound)
 
     @classmethod
     def from_dense(
