@@ -117,6 +117,8 @@ _LONG_RUN = ["--model", "mlp", "--data", "mnist1d", "--batch-size", "32", "--lr"
 
 def _assert_stopped_and_named(result: KillResult) -> None:
     assert not result.hung, "the command did not exit within the 120 s hang guard after the kill"
+    # the requirement is 60 s; measured 1-3 s under load, so this bound has a 20x margin
+    assert result.exit_s is not None and result.exit_s < 60, result.exit_s
     assert result.returncode != 0
     assert f"lowcomm: worker rank {result.rank} was killed by SIGKILL" in result.stderr, result.stderr
     assert result.leftover_pids == []  # every rank exited, none orphaned

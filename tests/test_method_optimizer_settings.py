@@ -14,6 +14,7 @@ from torch import nn
 
 from lowcomm import methods
 from lowcomm.cli import build_parser
+from lowcomm.errors import UsageError
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.runtime.flags import explicit_train_flags
 from lowcomm.runtime.optim import apply_method_overrides, build_optimizer
@@ -41,10 +42,18 @@ def test_signum_with_default_cli_settings_gets_no_sgd_momentum_and_rescaled_lr()
     assert len(lines) == 1 and "--momentum 0.9 -> 0" in lines[0] and "inside its hook" in lines[0]
 
 
-def test_signum_keeps_an_explicit_momentum_and_warns() -> None:
-    opt, lines = _optimizer(_cli_config("--method", "signum", "--momentum", "0.9"))
-    assert opt.param_groups[0]["momentum"] == 0.9 and opt.param_groups[0]["lr"] == TrainConfig().lr
-    assert len(lines) == 1 and lines[0].startswith("warning:") and "compound" in lines[0]
+def test_signum_refuses_an_explicit_sgd_momentum_with_the_fix() -> None:
+    with pytest.raises(UsageError, match=r"--momentum 0.9: .*compound.*use --momentum 0"):
+        _optimizer(_cli_config("--method", "signum", "--momentum", "0.9"))
+
+
+def test_signum_with_explicit_momentum_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from lowcomm.cli import main
+
+    code = main(["train", "--model", "mlp", "--data", "digits", "--steps", "1", "--method", "signum",
+                 "--momentum", "0.5", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "use --momentum 0" in err[0]
 
 
 def test_signum_with_explicit_lr_turns_momentum_off_but_keeps_the_lr() -> None:
@@ -80,3 +89,19 @@ def test_explicit_flags_count_abbreviations_and_equals_forms_like_argparse() -> 
 def test_an_unparsable_command_line_counts_every_option_as_typed() -> None:
     flags = explicit_train_flags(["train", "--momentum", "not-a-number"])
     assert "momentum" in flags and "lr" in flags  # nothing would be overridden
+
+
+def test_pufferfish_with_a_signum_warm_up_gets_signums_settings_for_the_whole_run() -> None:
+    opt, lines = _optimizer(_cli_config("--method", "pufferfish:warmup_method=signum,warmup_epochs=1"))
+    assert opt.param_groups[0]["momentum"] == 0.0
+    assert len(lines) == 1 and "--momentum 0.9 -> 0" in lines[0]
+
+
+def test_pufferfish_with_a_plain_warm_up_changes_nothing() -> None:
+    opt, lines = _optimizer(_cli_config("--method", "pufferfish"))
+    assert opt.param_groups[0]["momentum"] == TrainConfig().momentum and lines == []
+
+
+def test_pufferfish_refuses_a_warm_up_method_without_a_warm_up() -> None:
+    with pytest.raises(UsageError, match="no effect without a warm-up"):
+        methods.create("pufferfish:warmup_method=signum,warmup_epochs=0")

@@ -51,6 +51,19 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path) -
         assert torch.equal(a[k], b[k]), k
 
 
+def test_fp16_amp_run_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    common = [*FAST, "--epochs", "2", "--amp", "fp16"]
+    assert main(["train", *common, "--checkpoint-dir", str(straight)]) == 0
+    assert main(["train", *common, "--checkpoint-dir", str(resumed), "--stop-after-steps", "20"]) == 0
+    saved = checkpoint.load_rank(str(resumed), 20, 1)["scaler"]
+    assert saved is not None and saved["scale"] > 0  # the GradScaler's state is checkpointed
+    assert main(["train", *common, "--checkpoint-dir", str(resumed), "--resume"]) == 0
+    a, b = _final_weights(straight), _final_weights(resumed)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -44,7 +44,7 @@ from lowcomm.lowrank.decay import frobenius_decay_
 from lowcomm.lowrank.factorize import Candidate, candidates, factorize, plan, resolve_full_rank
 from lowcomm.lowrank.rank import ranks_stable, scaled_stable_rank, stable_rank
 from lowcomm.methods import register
-from lowcomm.methods.base import Method, MethodContext
+from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -79,6 +79,12 @@ class PufferfishOptions:
         name, _ = method_registry.split_spec(self.warmup_method)
         if name == "pufferfish":
             raise UsageError("pufferfish warmup_method cannot be pufferfish itself")
+        method_registry.METHODS.get(name)  # an unknown name is the first thing to report
+        if name != "ssgd" and self.warmup_epochs == 0 and not self.auto_switch:
+            raise UsageError(
+                f"pufferfish warmup_method={self.warmup_method} has no effect without a warm-up: "
+                "give warmup_epochs=E (E > 0) or auto_switch=true"
+            )
         if (self.auto_rank or False) and self.warmup_epochs == 0 and not self.auto_switch:
             raise UsageError(
                 "pufferfish auto_rank needs a full-rank warm-up (warmup_epochs > 0 or auto_switch=true): "
@@ -126,6 +132,15 @@ class Pufferfish(Method):
 
     def _initial_inner(self) -> Method:
         return _make_inner(self.options.warmup_method)
+
+    def optimizer_overrides(self, cfg: Any) -> list[OptimizerOverride]:
+        """The warm-up method's optimizer needs (e.g. ``warmup_method=signum``: SGD momentum
+        off), applied for the whole run: one optimizer configuration, announced once, rather
+        than settings that silently change at the switch."""
+        o: PufferfishOptions = self.options
+        if o.warmup_epochs == 0 and not o.auto_switch:
+            return []  # no warm-up: the warm-up method never runs
+        return _make_inner(o.warmup_method).optimizer_overrides(cfg)
 
     # --- model axis -------------------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:

@@ -71,6 +71,9 @@ class OptimizerOverride:
     value: Any
     why: str
     requires: tuple[str, ...] = ()
+    #: True when another value is wrong, not merely untuned (Signum's SGD momentum): a value
+    #: the user typed is then refused with the fix, instead of kept with a warning.
+    conflict: bool = False
 
 
 class Method:

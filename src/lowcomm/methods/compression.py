@@ -64,7 +64,7 @@ class CompressionMethod(Method):
         mu = cfg.momentum
         return [
             OptimizerOverride("momentum", 0.0, f"{self.name} applies momentum {own:g} inside its hook; "
-                                               f"SGD momentum {mu:g} on top would compound it"),
+                                               f"SGD momentum {mu:g} on top would compound it", conflict=True),
             OptimizerOverride("lr", float(f"{cfg.lr * (1.0 + mu):.12g}"),
                               f"lr * (1 + {mu:g}) keeps SGD's stability margin without momentum; up to "
                               f"lr / (1 - {mu:g}) = {cfg.lr / (1.0 - mu):.3g} keeps its full step where stable",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -103,6 +105,11 @@ class TrainConfig:
         self.amp_mode()  # refuses an unknown --amp value
         if self.nesterov and self.momentum == 0:
             raise UsageError("--nesterov needs --momentum > 0")
+        for flag, path, is_dir in (("--json", self.json, False), ("--log", self.log, False),
+                                   ("--checkpoint-dir", self.checkpoint_dir, True),
+                                   ("--tensorboard", self.tensorboard, True)):
+            if path:
+                check_writable(flag, path, is_dir=is_dir)
 
     def amp_mode(self) -> str | None:
         """``None`` (no AMP), ``"auto"`` (plain ``--amp``: bf16 on CPU, fp16 + GradScaler on
@@ -118,3 +125,28 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_writable(flag: str, path: str, *, is_dir: bool) -> None:
+    """Refuse, in one line before any worker starts, an output path that cannot be written.
+
+    Checked here rather than found out at the first log line or checkpoint: by then the
+    workers have trained for a while, and each would fail with its own ``OSError``
+    traceback. Nothing is created: a missing ``--checkpoint-dir`` is made later, so only its
+    nearest existing ancestor must be a writable folder; a file's folder must exist.
+    """
+    target = os.path.abspath(path)
+    if is_dir:
+        if os.path.exists(target) and not os.path.isdir(target):
+            raise UsageError(f"{flag} {path!r} exists and is not a folder")
+        probe = target
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+    else:
+        if os.path.isdir(target):
+            raise UsageError(f"{flag} {path!r} is a folder; give a file path")
+        probe = os.path.dirname(target)
+        if not os.path.isdir(probe):
+            raise UsageError(f"{flag} {path!r}: folder {probe!r} does not exist")
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path!r}: {probe!r} is not a writable folder")

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lowcomm.errors import UsageError
 from lowcomm.runtime.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ def apply_method_overrides(cfg: TrainConfig, method: Method) -> list[str]:
         if any(r not in applied for r in o.requires):
             continue  # its premise was not applied (e.g. the user's own --momentum)
         if o.field in explicit:
+            if current != o.value and o.conflict:
+                raise UsageError(f"--method {method.name} with {flag} {_fmt(current)}: {o.why}; "
+                                 f"use {flag} {_fmt(o.value)} (or leave it out)")
             if current != o.value:
                 lines.append(f"warning: --method {method.name}: keeping {flag} {_fmt(current)} as given, but "
                              f"{o.why} (its default here: {flag} {_fmt(o.value)})")

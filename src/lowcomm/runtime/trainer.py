@@ -351,6 +351,10 @@ class Trainer:
         if resume_state is not None:
             self.optimizer.load_state_dict(resume_state["optimizer"])
             self.scheduler.load_state_dict(resume_state["scheduler"])
+            if self.scaler is not None and resume_state.get("scaler"):
+                # the loss scale and its growth counter: without them a resumed fp16 run
+                # restarts at 65536 and skips steps the uninterrupted run did not
+                self.scaler.load_state_dict(resume_state["scaler"])
         elif self.step:
             # Rebuilt mid-run (e.g. Pufferfish switch): continue the LR schedule where it was.
             with warnings.catch_warnings():  # replaying steps, not skipping optimizer steps
@@ -398,6 +402,7 @@ class Trainer:
             "rng": checkpoint.rng_state(),
             "method": self.method.state_dict(),
             "history": self.history,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
         if self.dist.is_main:
             payload["model"] = self.raw.state_dict()
@@ -630,6 +635,10 @@ class Trainer:
             "epochs": self.epochs,
             "steps": self.step,
             "batch_size": self.cfg.batch_size,
+            # effective settings, after any method override (e.g. signum turns momentum off)
+            "optimizer": {"name": self.cfg.optimizer, "lr": self.cfg.lr,
+                          "momentum": self.cfg.momentum, "weight_decay": self.cfg.weight_decay},
+            "amp": self.cfg.amp,
             "params": sum(p.numel() for p in self.raw.parameters()),
             "params_initial": self.params_before,
             "bytes_sent_per_worker": led.wire_bytes,
