@@ -39,6 +39,19 @@ def run_ranks(fn: Any, world: int, *args: Any, timeout: float = 90.0, **kwargs: 
 
 TINY_BUCKET_MB = 0.0001  # 100 floats: after the rebuild, one layer (weight + bias) per bucket
 
+#: every comm hook with small options that compress from step 1 (the reference test cases)
+HOOK_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("ssgd", {}),
+    ("fp16", {}),
+    ("bf16", {}),
+    ("signsgd", {"start_iter": 1}),
+    ("signum", {"start_iter": 1}),
+    ("topk", {"start_iter": 1, "density": 0.1}),
+    ("gtopk", {"start_iter": 1, "density": 0.1}),
+    ("powersgd", {"start_iter": 1, "rank": 2}),
+    ("acpsgd", {"start_iter": 1, "rank": 2}),
+]
+
 
 class TinyMLP(nn.Sequential):
     """An MLP whose optional ``unused`` child never takes part in forward."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from compress_testlib import (
+    HOOK_CASES,
     check_against_reference,
     make_model,
     recorded_run,
@@ -21,17 +22,7 @@ from tolerance import assert_close_eps
 from lowcomm.compress.lowrank import effective_rank, matrix_shape, should_compress
 from lowcomm.hooks import options_for
 
-CASES: list[tuple[str, dict[str, Any]]] = [
-    ("ssgd", {}),
-    ("fp16", {}),
-    ("bf16", {}),
-    ("signsgd", {"start_iter": 1}),
-    ("signum", {"start_iter": 1}),
-    ("topk", {"start_iter": 1, "density": 0.1}),
-    ("gtopk", {"start_iter": 1, "density": 0.1}),
-    ("powersgd", {"start_iter": 1, "rank": 2}),
-    ("acpsgd", {"start_iter": 1, "rank": 2}),
-]
+CASES = HOOK_CASES
 STATEFUL = [c for c in CASES if c[0] not in ("ssgd", "fp16", "bf16")]
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import lowcomm.hooks
-from compress_testlib import TINY_BUCKET_MB, make_model
+from compress_testlib import HOOK_CASES, TINY_BUCKET_MB, make_model
 from lowcomm import methods
 from lowcomm.methods.base import MethodContext
 from lowcomm.runtime.config import TrainConfig
@@ -81,17 +81,7 @@ def test_host_read_counter_sees_the_reads_it_must_forbid() -> None:
 
 
 # --- DDP comm hooks: nothing read inside backward ------------------------------------------------
-HOOKS: list[tuple[str, dict[str, Any]]] = [
-    ("ssgd", {}),
-    ("fp16", {}),
-    ("bf16", {}),
-    ("signsgd", {"start_iter": 1}),
-    ("signum", {"start_iter": 1}),
-    ("topk", {"start_iter": 1, "density": 0.1}),
-    ("gtopk", {"start_iter": 1, "density": 0.1}),
-    ("powersgd", {"start_iter": 1, "rank": 2}),
-    ("acpsgd", {"start_iter": 1, "rank": 2}),
-]
+HOOKS = HOOK_CASES
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "gradscaler"])

@@ -47,12 +47,6 @@ def finite_flag(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t.sum())
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Host-side :func:`finite_flag`: synchronizes with the device, so never call it per
-    bucket or per factor in a hook (tests and one-off checks only)."""
-    return bool(finite_flag(t))
-
-
 def poison_(t: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """Fill a floating tensor with NaN where the 0-dim flag ``finite`` is False (in place,
     branch-free); integer tensors (indices, packed sign bits) are left as they are."""

@@ -128,9 +128,21 @@ def _open_log(path: str) -> Any:
     """
     try:
         with open(path, "rb+") as f:
-            data = f.read()
-            if data and not data.endswith(b"\n"):
-                f.truncate(data.rfind(b"\n") + 1)
+            end = f.seek(0, os.SEEK_END)
+            pos = end
+            while pos > 0:  # read back from the end only as far as the last newline
+                step = min(pos, 1 << 16)
+                f.seek(pos - step)
+                chunk = f.read(step)
+                if pos == end and chunk.endswith(b"\n"):
+                    break  # the last line is whole
+                cut = chunk.rfind(b"\n")
+                if cut >= 0:
+                    f.truncate(pos - step + cut + 1)
+                    break
+                pos -= step
+            else:
+                f.truncate(0)  # no newline at all: one torn line
     except FileNotFoundError:
         pass
     return open(path, "a")
