@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 from lowcomm.errors import UsageError, check_count, check_positive
 from lowcomm.methods import split_list
 from lowcomm.sim.advise import CANDIDATES, CAVEATS, advise
-from lowcomm.sim.network import PRESET_ALIASES, PRESETS, NetworkModel, parse_network, parse_rate
+from lowcomm.sim.network import parse_network
 from lowcomm.sim.predict import make_schedule, predict_iteration_time
 from lowcomm.sim.profile import Profile
 
@@ -48,20 +47,6 @@ def parse_workers(text: str) -> list[int]:
     if not out or any(not 1 <= p <= MAX_WORKERS for p in out):
         raise UsageError(f"--workers needs integers from 1 to {MAX_WORKERS}, got {text!r}")
     return out
-
-
-def parse_net(spec: str) -> NetworkModel:
-    """:func:`~lowcomm.sim.network.parse_network` plus the range checks a prediction needs:
-    a link rate of 0 would divide by zero, and fewer than 1 GPU per node means nothing."""
-    head = spec.split(",", 1)[0].strip().lower()
-    if head and head not in PRESETS and head not in PRESET_ALIASES:
-        rate = parse_rate(head)
-        if not math.isfinite(rate) or rate <= 0:
-            raise UsageError(f"--net rate must be a finite number > 0, got {head!r}")
-    net = parse_network(spec)
-    if net.gpus_per_node < 1:
-        raise UsageError(f"--net gpus_per_node must be >= 1, got {net.gpus_per_node}")
-    return net
 
 
 def check_device(device: str) -> None:
@@ -157,7 +142,7 @@ def run_profile(args: argparse.Namespace) -> int:
 # -- simulate -----------------------------------------------------------------------------
 def simulate_table(prof: Profile, methods: list[str], workers: list[int],
                    net_spec: str, *, bucket_mb: float = 25.0) -> dict[str, Any]:
-    net = parse_net(net_spec)
+    net = parse_network(net_spec)
     kw = {"network": net, "bucket_mb": bucket_mb}
     single = predict_iteration_time(prof, "ssgd", workers=1, **kw).iter_time_s
     rows = []
@@ -241,7 +226,7 @@ def run_advise(args: argparse.Namespace) -> int:
     # Cheap checks first: a bad --workers must not cost a local profiling run.
     check_count("--workers", args.workers, maximum=MAX_WORKERS)
     check_positive("--bucket-mb", args.bucket_mb)
-    net = parse_net(args.net)
+    net = parse_network(args.net)
     methods = split_methods(args.methods) if args.methods is not None else list(CANDIDATES)
     if args.profile:
         prof = Profile.load(args.profile)
