@@ -2,18 +2,27 @@
 
 The tensor is divided by the world size *before* the cast (as PyTorch's fp16 hook does) so
 that the sum of P half-precision values does not overflow where the mean would not.
+Stateless and elementwise: a slice of the summed message decodes to the same slice of the
+mean, so lee18 may reduce-scatter it and DeAR may split it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+import math
+from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.compress.base import Compressor
+from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
+from lowcomm.compress.feedback import poison_
 
 
 class CastCompressor(Compressor):
+    """The cast as a plain :class:`Compressor` (payload math only)."""
+
     aggregation = "all_reduce"
 
     def __init__(self, dtype: torch.dtype) -> None:
@@ -29,3 +38,51 @@ class CastCompressor(Compressor):
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass
+class CastOptions:
+    """fp16 / bf16 take no options."""
+
+
+class CastCodec(Codec):
+    """Divide by P, cast to :attr:`dtype`, sum, cast back."""
+
+    Options = CastOptions
+    aggregation = Aggregation.SUM
+    elementwise = True
+    dtype: ClassVar[torch.dtype] = torch.float16
+
+    def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
+               pad_to: int = 1) -> Message:
+        n = flat.numel()
+        padded = -(-n // pad_to) * pad_to
+        buf = torch.zeros(padded, dtype=self.dtype, device=flat.device)
+        torch.div(flat, self.world, out=buf[:n])  # divide before the cast: no overflow
+        poison_(buf, finite)
+        return Message(buf, "all_reduce", ctx=flat.dtype, numel=n)
+
+    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(received[: out.numel()])
+
+    def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
+             step: int | None = None) -> CodecCost:
+        n = sum(math.prod(s) for s in shapes)
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return CodecCost(Work(elementwise=n), [Round("all_reduce", n * size, Work(elementwise=n))])
+
+
+@register_codec
+class FP16Codec(CastCodec):
+    name = "fp16"
+    summary = "fp16 all-reduce (2 bytes per element)"
+    caveat = "fp16 gradients can overflow/underflow without loss scaling; usually accuracy-neutral."
+    dtype = torch.float16
+
+
+@register_codec
+class BF16Codec(CastCodec):
+    name = "bf16"
+    summary = "bf16 all-reduce (2 bytes per element)"
+    caveat = "bf16 keeps fp32's range but only 8 bits of mantissa; usually accuracy-neutral."
+    dtype = torch.bfloat16

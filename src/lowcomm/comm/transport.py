@@ -1,0 +1,100 @@
+"""Carry a codec's messages over ``torch.distributed``: the one place codecs meet collectives.
+
+The DDP comm hooks (:mod:`lowcomm.comm.hooks`) and the scheduling engine
+(:mod:`lowcomm.sched.engine`) both drive a :class:`~lowcomm.compress.codec.Codec` through
+:func:`run_rounds` (every non-final message, synchronously, in the caller's thread: the
+collective sequence is then the same on every rank) and :func:`start` (the final message,
+asynchronously). Every collective goes through :mod:`lowcomm.comm.accounting`, so bytes are
+counted where they are sent, under the tag ``<tag>.<message name>``.
+
+Without an initialized process group (one process), the collectives are identities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowcomm.comm import accounting
+from lowcomm.compress.codec import Codec, Message
+
+Future = torch.futures.Future
+
+
+def _distributed(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def message_tag(tag: str, msg: Message) -> str:
+    """The accounting tag of one message: ``<tag>.<name>`` (``<tag>`` for unnamed ones)."""
+    return f"{tag}.{msg.name}" if msg.name else tag
+
+
+@dataclass
+class Pending:
+    """A started collective: :meth:`wait` returns what the message received."""
+
+    received: torch.Tensor
+    work: Any = None
+
+    def wait(self) -> torch.Tensor:
+        """Block until the collective completed; return what was received."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.received
+
+    def future(self) -> Future[torch.Tensor]:
+        """A future of what was received (completed already for synchronous exchanges)."""
+        if self.work is not None and hasattr(self.work, "get_future"):
+            received = self.received
+            return self.work.get_future().then(lambda _f: received)
+        fut: Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(self.wait())
+        return fut
+
+
+def start(msg: Message, *, group: Any = None, tag: str, async_op: bool = True) -> Pending:
+    """Issue ``msg``'s collective (see :class:`~lowcomm.compress.codec.Message`)."""
+    t = message_tag(tag, msg)
+    if msg.collective == "none" or not _distributed(group):
+        if msg.collective == "all_gather":
+            return Pending(msg.buf.reshape(1, -1))
+        return Pending(msg.buf)
+    if msg.collective == "all_reduce":
+        work = accounting.all_reduce(msg.buf, group=group, async_op=async_op, tag=t)
+        return Pending(msg.buf, work)
+    if msg.collective == "all_gather":
+        world = dist.get_world_size(group)
+        recv = msg.buf.new_empty(world * msg.buf.numel())
+        work = accounting.all_gather_into_tensor(recv, msg.buf, group=group, async_op=async_op, tag=t)
+        return Pending(recv.view(world, -1), work)
+    return _exchange(msg, group, t)
+
+
+def _exchange(msg: Message, group: Any, tag: str) -> Pending:
+    """``p2p``: send to and/or receive from ``msg.peer`` in one batch (NCCL needs the batch:
+    two partners that both send first can deadlock on large unbatched messages)."""
+    if msg.peer is None:
+        raise ValueError("a p2p message needs a peer")
+    peer = dist.get_global_rank(group, msg.peer) if group is not None else msg.peer
+    recv = torch.empty_like(msg.buf)
+    ops = []
+    if msg.send:
+        ops.append(dist.P2POp(dist.isend, msg.buf, peer, group))
+    if msg.recv:
+        ops.append(dist.P2POp(dist.irecv, recv, peer, group))
+    for w in accounting.batch_isend_irecv(ops, tag=tag):
+        w.wait()
+    return Pending(recv)
+
+
+def run_rounds(codec: Codec, msg: Message, *, group: Any = None, tag: str) -> Message:
+    """Complete every non-final message synchronously; return the final one (not started)."""
+    while not msg.final:
+        received = start(msg, group=group, tag=tag, async_op=False).wait()
+        msg = codec.advance(msg, received)
+    return msg

@@ -1,0 +1,315 @@
+"""The codec contract: what every compressor declares, so that no other part keeps a list.
+
+A *codec* is one compressor with everything the rest of lowcomm needs to carry it:
+
+* **how its payloads aggregate** (:class:`Aggregation`): ``SUM`` payloads add up, so a
+  schedule may all-reduce or reduce-scatter them; ``GATHER`` payloads must each be decoded,
+  so every worker receives everyone's (all-gather, or a codec-driven point-to-point
+  exchange such as gTop-k's recursive doubling);
+* **its messages** (:class:`Message`): :meth:`Codec.encode` turns one worker's flat gradient
+  into the first message; a codec whose next message needs the aggregate of the previous
+  one (PowerSGD's Q needs the summed P; gTop-k's next exchange needs the merged pair) says
+  ``final=False`` and :meth:`Codec.advance` builds the next from what was received;
+  :meth:`Codec.decode` writes the *mean* gradient from what the final message received;
+* **its cost** (:meth:`Codec.cost`): bytes per worker of each collective and the compute of
+  each phase as a function of the tensor shapes and the world size, read by byte-count
+  tests, the simulator, the profiler and the advisor;
+* **its state** (:meth:`Codec.state_dict`), for exact checkpoints.
+
+A codec never calls a collective: :mod:`lowcomm.comm.transport` does, for the DDP comm hooks
+and for the scheduling engine alike. Codecs register themselves in :data:`CODECS` (one module
+under ``lowcomm/compress/`` per compressor; the registry imports every module of the package
+on first use, so a new compressor needs no edit anywhere else).
+
+Conventions every codec follows (the transports rely on them):
+
+* ``flat`` given to :meth:`Codec.encode` is this worker's gradient in unscaled units when the
+  codec is :attr:`~Codec.stateful` (the transport divides out an AMP loss scale first);
+* ``finite`` is a 0-dim bool device tensor; when it is False the message must decode to a
+  non-finite result on *every* rank (NaN policy) and state must be left unchanged, all
+  without a host synchronization (``torch.where``, see :mod:`lowcomm.compress.feedback`);
+* decode produces the mean over workers (the transport never divides);
+* :attr:`Codec.step` counts synchronized steps; the transport calls :meth:`Codec.end_step`
+  once per step, compressed or not, and carries a plain all-reduce while
+  :attr:`Codec.active` is False (the ``start_iter`` warm-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import pkgutil
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+from lowcomm.registry import Registry
+
+
+class Aggregation(str, Enum):
+    """How the workers' payloads combine."""
+
+    #: payloads add up: all-reduce, or reduce-scatter + all-gather
+    SUM = "sum"
+    #: each payload is decoded separately: every worker receives every payload
+    GATHER = "gather"
+
+
+#: collectives a :class:`Message` may ask for (``none``: nothing to send, decode locally)
+COLLECTIVES = ("all_reduce", "all_gather", "p2p", "none")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensors fused in one flat buffer (a DDP bucket or an engine group), in order.
+
+    ``index`` gives each name's position in ``model.named_parameters()``: seeds derived from
+    it are identical on every rank and for every bucket layout.
+    """
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    index: tuple[int, ...]
+
+    @classmethod
+    def of(cls, names: Sequence[str], shapes: Sequence[Sequence[int]],
+           param_index: Mapping[str, int]) -> Layout:
+        """Build from names and shapes; unknown names get index 0 (as the hooks always did)."""
+        return cls(tuple(names), tuple(tuple(int(d) for d in s) for s in shapes),
+                   tuple(param_index.get(n, 0) for n in names))
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements of each tensor."""
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole flat buffer."""
+        return sum(self.sizes)
+
+
+@dataclass
+class Message:
+    """One thing to communicate, plus what the local decode needs (``ctx``, never sent).
+
+    ``collective``: ``all_reduce`` (``buf`` is summed in place), ``all_gather`` (``buf`` is
+    this worker's payload; every worker receives a ``(world, buf.numel())`` tensor), ``p2p``
+    (``buf`` is sent to and/or a same-shaped tensor received from ``peer``, a rank of the
+    process group) or ``none``. ``final=False``: the transport completes this message before
+    the backward pass continues and hands what it received to :meth:`Codec.advance`.
+    ``numel``: the meaningful length of ``buf`` (a transport may pad ``buf`` after it).
+    """
+
+    buf: torch.Tensor
+    collective: str
+    final: bool = True
+    name: str = ""
+    peer: int | None = None
+    send: bool = True
+    recv: bool = True
+    ctx: Any = None
+    numel: int = -1
+
+    def __post_init__(self) -> None:
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"unknown collective {self.collective!r}; valid: {', '.join(COLLECTIVES)}")
+        if self.numel < 0:
+            self.numel = self.buf.numel()
+
+
+@dataclass
+class Work:
+    """Kernel amounts of one compute phase, priced by the simulator's measured costs."""
+
+    elementwise: float = 0.0  # elements streamed once (a cast, an add, a sign pass)
+    matmul_flops: float = 0.0  # 2*m*n*r per (m x n) @ (n x r)
+    orthogonalize: float = 0.0  # m*r elements of a reduced QR
+    topk: float = 0.0  # elements scanned by a top-k selection
+    scatter: float = 0.0  # elements scatter-added
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    def scaled(self, k: float) -> Work:
+        """This work done ``k`` times (e.g. once per worker's payload)."""
+        return Work(*(a * k for a in dataclasses.astuple(self)))
+
+
+@dataclass
+class Round:
+    """One collective of a step and the compute that follows it.
+
+    ``nbytes``: bytes of this worker's payload handed to the collective (the accounting
+    layer's convention: what ``lowcomm.comm.accounting`` counts at the call). ``blocking``:
+    the transport waits for it inside backward (a later round needs its result). ``then``:
+    compute after it (for the last round: the decode, run in the collective's callback).
+    """
+
+    collective: str
+    nbytes: int
+    then: Work = field(default_factory=Work)
+    blocking: bool = False
+
+
+@dataclass
+class CodecCost:
+    """Cost of one step of one fused buffer: encode, then the rounds in order."""
+
+    encode: Work
+    rounds: list[Round]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this worker hands to collectives in the step."""
+        return sum(r.nbytes for r in self.rounds)
+
+
+class Codec(ABC):
+    """One compressor and everything a transport, simulator or advisor needs of it.
+
+    Subclasses set the class attributes, give an ``Options`` dataclass (the ``--method
+    name:key=value`` fields; validated in its ``__post_init__``) and implement
+    :meth:`encode`, :meth:`decode` and :meth:`cost` (and :meth:`advance` when a message is
+    not final). Keep state per parameter *name* (:class:`~lowcomm.compress.feedback.ParamStore`)
+    so a changed bucket layout, a regrouping or a resume finds it again.
+    """
+
+    #: the ``--method`` / ``compress=`` name
+    name: ClassVar[str] = ""
+    #: one line for tables (docs, ``lowcomm simulate --list``)
+    summary: ClassVar[str] = ""
+    #: under which conditions it keeps accuracy (the advisor prints it)
+    caveat: ClassVar[str] = ""
+    Options: ClassVar[type] = object
+    aggregation: ClassVar[Aggregation] = Aggregation.SUM
+    #: keeps state across steps (memory, momentum, factors): it sees unscaled gradients
+    stateful: ClassVar[bool] = False
+    #: a slice of the summed message decodes to the same slice of the mean gradient
+    #: (casts), so a schedule may reduce-scatter it and decode only its shard (lee18)
+    elementwise: ClassVar[bool] = False
+    #: a later message needs the aggregate of an earlier one in the same step
+    multi_round: ClassVar[bool] = False
+
+    def __init__(self, options: Any = None, *, world: int = 1) -> None:
+        self.options = options if options is not None else self.Options()
+        self.world = int(world)
+        self.step = 0
+
+    # --- life cycle ---------------------------------------------------------------------
+    @property
+    def start_iter(self) -> int:
+        """Steps of plain all-reduce before compressing (0 when the codec has no warm-up)."""
+        return int(getattr(self.options, "start_iter", 0) or 0)
+
+    @property
+    def active(self) -> bool:
+        """Whether this step is compressed (False during the ``start_iter`` warm-up)."""
+        return self.step >= self.start_iter
+
+    def end_step(self) -> None:
+        """Called by the transport once per synchronized step."""
+        self.step += 1
+
+    # --- the payload ----------------------------------------------------------------------
+    @abstractmethod
+    def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
+               pad_to: int = 1) -> Message:
+        """First message of one fused buffer (``flat.numel() == layout.numel``).
+
+        ``pad_to``: a ``SUM`` codec's final message buffer must have a length divisible by it
+        (zeros after ``numel``), so a schedule can reduce-scatter it without a copy.
+        """
+
+    def advance(self, msg: Message, received: torch.Tensor) -> Message:
+        """The next message, from what the non-final ``msg`` received (see :class:`Message`)."""
+        raise NotImplementedError(f"{self.name}: every message is final")
+
+    @abstractmethod
+    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the mean gradient into ``out`` from what the final ``msg`` received.
+
+        ``received`` is ``msg.buf`` summed (``all_reduce``), ``(world, msg.numel)`` uint8 rows
+        (``all_gather``), the peer's buffer (``p2p``) or ``msg.buf`` (``none``). ``out`` may
+        alias the ``flat`` given to :meth:`encode`. An :attr:`elementwise` codec must also
+        accept matching slices of ``received`` and ``out``.
+        """
+
+    @abstractmethod
+    def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
+             step: int | None = None) -> CodecCost:
+        """Analytic cost of one compressed step of a buffer fusing ``shapes``.
+
+        ``step``: for codecs whose messages alternate (ACP-SGD's P and Q), the step to cost;
+        None gives the average over a period. Byte counts must match what the transport
+        counts exactly (tests compare them).
+        """
+
+    # --- state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Checkpointable state (tensors on the CPU); subclasses extend it."""
+        return {"codec": self.name, "step": self.step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; refuses another codec's state."""
+        if state.get("codec", self.name) != self.name:
+            raise ValueError(f"state is for compressor {state.get('codec')!r}, not {self.name!r}")
+        self.step = int(state.get("step", 0))
+
+    def describe(self) -> dict[str, Any]:
+        """What a run summary records about the codec."""
+        return {"compress": self.name, "options": dataclasses.asdict(self.options), "compress_step": self.step}
+
+
+def _codec_modules() -> list[str]:
+    """Every module of :mod:`lowcomm.compress`: each compressor registers itself there."""
+    package = importlib.import_module("lowcomm.compress")
+    return [f"lowcomm.compress.{m.name}" for m in pkgutil.iter_modules(package.__path__)
+            if not m.name.startswith("_")]
+
+
+class _CodecRegistry(Registry[Codec]):
+    """:class:`~lowcomm.registry.Registry` that finds its modules by listing the package."""
+
+    def _ensure_loaded(self) -> None:
+        if not self._loaded:
+            self.modules = _codec_modules()
+        super()._ensure_loaded()
+
+
+#: name -> codec class (``CODECS.get("topk")``); filled by the modules of ``lowcomm.compress``
+CODECS: Registry[Codec] = _CodecRegistry("compressor")
+
+
+def register_codec(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: register a :class:`Codec` under ``cls.name``."""
+    CODECS.register(cls.name)(cls)
+    return cls
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec class registered as ``name`` (UsageError listing valid names otherwise)."""
+    return CODECS.get(name)  # type: ignore[return-value]
+
+
+def pack(parts: Sequence[torch.Tensor], finite: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
+    """Poison the floating parts when ``finite`` is False, then pack all parts into one uint8
+    tensor (one all-gather per buffer); returns it with the spec :func:`unpack` needs."""
+    from lowcomm.compress.base import pack_payload, payload_spec
+    from lowcomm.compress.feedback import poison_
+
+    for t in parts:
+        poison_(t, finite)
+    return pack_payload(parts), payload_spec(parts)
+
+
+def unpack(rows: torch.Tensor, spec: Sequence[tuple[torch.dtype, int]]) -> list[list[torch.Tensor]]:
+    """Each worker's parts from the ``(world, nbytes)`` rows an all-gather received."""
+    from lowcomm.compress.base import unpack_payload
+
+    return [unpack_payload(row, list(spec)) for row in rows]
