@@ -27,4 +27,4 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -m cuda
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) build src/*.egg-info .mypy_cache .ruff_cache

@@ -30,7 +30,7 @@ from lowcomm import models
 from lowcomm.comm import accounting
 from lowcomm.comm.hooks import HOOKS, run_hook
 from lowcomm.hooks import options_for
-from lowcomm.testing.distributed import free_port
+from lowcomm.runtime.launch import free_port
 
 
 def measure(kind: str, model_name: str, rank: int, steps: int, warm: int = 3) -> dict[str, Any]:

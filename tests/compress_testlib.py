@@ -7,9 +7,12 @@ independently of lowcomm's hooks: they share only the documented seeded factor i
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import io
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,8 +22,9 @@ from torch import nn
 
 from lowcomm.comm import accounting
 from lowcomm.comm.hooks import HOOKS, run_hook
+from lowcomm.compress.codec import CODECS
 from lowcomm.compress.lowrank import factor_seed
-from lowcomm.hooks import options_for
+from lowcomm.hooks import create, options_for
 from lowcomm.testing.distributed import run_distributed
 from tolerance import tolerance
 
@@ -39,18 +43,59 @@ def run_ranks(fn: Any, world: int, *args: Any, timeout: float = 90.0, **kwargs: 
 
 TINY_BUCKET_MB = 0.0001  # 100 floats: after the rebuild, one layer (weight + bias) per bucket
 
-#: every comm hook with small options that compress from step 1 (the reference test cases)
-HOOK_CASES: list[tuple[str, dict[str, Any]]] = [
-    ("ssgd", {}),
-    ("fp16", {}),
-    ("bf16", {}),
-    ("signsgd", {"start_iter": 1}),
-    ("signum", {"start_iter": 1}),
-    ("topk", {"start_iter": 1, "density": 0.1}),
-    ("gtopk", {"start_iter": 1, "density": 0.1}),
-    ("powersgd", {"start_iter": 1, "rank": 2}),
-    ("acpsgd", {"start_iter": 1, "rank": 2}),
-]
+#: small options per built-in codec (compress from step 1); a codec's own test module may
+#: give them as ``OPTIONS`` (see :func:`test_options`)
+SMALL_OPTIONS: dict[str, dict[str, Any]] = {
+    "topk": {"density": 0.1},
+    "gtopk": {"density": 0.1},
+    "powersgd": {"rank": 2},
+    "acpsgd": {"rank": 2},
+}
+
+
+def codec_test_module(name: str) -> Any:
+    """``tests/test_codec_<name>.py`` if it exists (a new compressor's own test module)."""
+    try:
+        return importlib.import_module(f"test_codec_{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"test_codec_{name}":
+            raise
+        return None
+
+
+def test_options(name: str) -> dict[str, Any]:
+    """Options that compress from step 1 with small payloads, for codec ``name``."""
+    module = codec_test_module(name)
+    opts = dict(getattr(module, "OPTIONS", SMALL_OPTIONS.get(name, {})))
+    fields = {f.name for f in dataclasses.fields(HOOKS[name].Options)}
+    if "start_iter" in fields:
+        opts.setdefault("start_iter", 1)
+    return opts
+
+
+test_options.__test__ = False  # type: ignore[attr-defined]  # not a test, despite its name
+
+class _Cases(Sequence[tuple[str, dict[str, Any]]]):
+    """Built on first use, not at import: a codec's test module imports this module (for
+    :class:`Reference`) and is itself imported here for its ``OPTIONS``."""
+
+    def __init__(self) -> None:
+        self._cases: list[tuple[str, dict[str, Any]]] | None = None
+
+    def _all(self) -> list[tuple[str, dict[str, Any]]]:
+        if self._cases is None:
+            self._cases = [("ssgd", {})] + [(n, test_options(n)) for n in CODECS.names()]
+        return self._cases
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._all()[i]
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+#: every comm hook: ssgd and each registered codec, with small options (the reference cases)
+HOOK_CASES: Sequence[tuple[str, dict[str, Any]]] = _Cases()
 
 
 class TinyMLP(nn.Sequential):
@@ -93,14 +138,15 @@ def recorded_run(
     rank = dist.get_rank()
     model = make_model(extra_unused=find_unused)
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, find_unused_parameters=find_unused)
-    state = HOOKS[method](ddp, options_for(method, **options))
+    state = create(ddp, method, **options)
     holder: list[list[tuple[list[str], torch.Tensor]]] = [[]]
     step_now = [0]
 
     def hook(st, bucket):  # type: ignore[no-untyped-def]  # unannotated: DDP checks annotations
-        if nan_at == (rank, step_now[0]) and "0.weight" in st.layout(bucket)[0]:
+        names = list(st.layout(bucket).names)
+        if nan_at == (rank, step_now[0]) and "0.weight" in names:
             bucket.buffer()[0] = float("nan")
-        holder[0].append((st.layout(bucket)[0], bucket.buffer().detach().clone()))
+        holder[0].append((names, bucket.buffer().detach().clone()))
         return run_hook(st, bucket)
 
     ddp.register_comm_hook(state, hook)
@@ -441,23 +487,49 @@ class ACPSGDRef(LowRank):
         return torch.cat(res)
 
 
-def reference_for(method: str, options: dict[str, Any], world: int, *, extra_unused: bool = False) -> Reference:
-    model = make_model(extra_unused)
+#: central reference of each built-in method, from the options dataclass ``o`` (None for ssgd)
+REFERENCES: dict[str, Any] = {
+    "ssgd": lambda w, sh, ix, o: Mean(w, sh, ix),
+    "fp16": lambda w, sh, ix, o: Cast(w, sh, ix, dtype=torch.float16),
+    "bf16": lambda w, sh, ix, o: Cast(w, sh, ix, dtype=torch.bfloat16),
+    "signsgd": lambda w, sh, ix, o: SignEF(w, sh, ix, ef=o.error_feedback),
+    "signum": lambda w, sh, ix, o: Signum(w, sh, ix, beta=o.momentum),
+    "topk": lambda w, sh, ix, o: TopKRef(w, sh, ix, density=o.density),
+    "gtopk": lambda w, sh, ix, o: GTopKRef(w, sh, ix, density=o.density),
+    "powersgd": lambda w, sh, ix, o: PowerSGDRef(w, sh, ix, rank=o.rank, seed=o.seed,
+                                                 min_compression_rate=o.min_compression_rate),
+    "acpsgd": lambda w, sh, ix, o: ACPSGDRef(w, sh, ix, rank=o.rank, seed=o.seed,
+                                             min_compression_rate=o.min_compression_rate),
+}
+
+
+def _module_reference(name: str) -> type[Reference] | None:
+    """``Reference`` of ``tests/test_codec_<name>.py``, if that module exists: a new
+    compressor brings its central reference in its own test module. Such a class is built
+    as ``Reference(world, shapes, index, options=<the options dataclass>)``."""
+    module = codec_test_module(name)
+    ref = getattr(module, "Reference", None)
+    return ref if isinstance(ref, type) and issubclass(ref, Reference) else None
+
+
+def has_reference(name: str) -> bool:
+    """Whether method ``name`` has a central reference (this table or its test module)."""
+    return name in REFERENCES or _module_reference(name) is not None
+
+
+def reference_for(method: str, options: dict[str, Any], world: int, *, extra_unused: bool = False,
+                  model: nn.Module | None = None) -> Reference:
+    """The central reference of ``method`` on ``model``'s parameters (default :func:`make_model`)."""
+    model = model if model is not None else make_model(extra_unused)
     shapes = {n: p.shape for n, p in model.named_parameters()}
     index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
     o = options_for(method, **options) if method in HOOKS else None
-    table: dict[str, Any] = {
-        "ssgd": lambda: Mean(world, shapes, index),
-        "fp16": lambda: Cast(world, shapes, index, dtype=torch.float16),
-        "bf16": lambda: Cast(world, shapes, index, dtype=torch.bfloat16),
-        "signsgd": lambda: SignEF(world, shapes, index, ef=o.error_feedback),
-        "signum": lambda: Signum(world, shapes, index, beta=o.momentum),
-        "topk": lambda: TopKRef(world, shapes, index, density=o.density),
-        "gtopk": lambda: GTopKRef(world, shapes, index, density=o.density),
-        "powersgd": lambda: PowerSGDRef(world, shapes, index, rank=o.rank, seed=o.seed, min_compression_rate=o.min_compression_rate),
-        "acpsgd": lambda: ACPSGDRef(world, shapes, index, rank=o.rank, seed=o.seed, min_compression_rate=o.min_compression_rate),
-    }
-    return table[method]()
+    if method in REFERENCES:
+        return REFERENCES[method](world, shapes, index, o)  # type: ignore[no-any-return]
+    cls = _module_reference(method)
+    if cls is None:
+        raise KeyError(f"no central reference for {method!r}: add tests/test_codec_{method}.py with a Reference")
+    return cls(world, shapes, index, options=o)
 
 
 def check_against_reference(method: str, options: dict[str, Any], results: list[dict[str, Any]]) -> int:

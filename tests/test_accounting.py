@@ -126,3 +126,31 @@ def test_batched_exchange_counts_sends_on_the_sender_only() -> None:
     else:
         assert "one" not in led and torch.equal(one, torch.ones(10))
     assert accounting.batch_isend_irecv([], tag="none") == []
+
+
+@distributed(world_size=2)
+def test_list_gather_all_to_all_and_point_to_point_are_counted() -> None:
+    rank = dist.get_rank()
+    peer = 1 - rank
+    x = torch.arange(4, dtype=torch.float32) + 10 * rank
+    outs = [torch.empty(4) for _ in range(2)]
+    accounting.all_gather(outs, x, tag="ag")
+    assert torch.equal(outs[peer], torch.arange(4, dtype=torch.float32) + 10 * peer)
+    received = torch.empty(4)
+    accounting.all_to_all_single(received, x, tag="a2a")
+    # rank r receives chunk r of every rank: [x_0[2r:2r+2], x_1[2r:2r+2]]
+    expect = torch.cat([torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) + 10 * src for src in (0, 1)])
+    assert torch.equal(received, expect)
+    got = torch.empty(3)
+    if rank == 0:
+        accounting.isend(torch.full((3,), 7.0), 1, tag="p").wait()
+    else:
+        accounting.irecv(got, 0, tag="p").wait()
+        assert torch.equal(got, torch.full((3,), 7.0))
+    led = accounting.ledger().as_dict()["by_tag"]
+    assert led["ag"] == {"calls": 1, "payload_bytes": 16, "wire_bytes": 16}  # (P-1) * 16
+    assert led["a2a"] == {"calls": 1, "payload_bytes": 16, "wire_bytes": 8}  # (P-1)/P * 16
+    if rank == 0:
+        assert led["p"] == {"calls": 1, "payload_bytes": 12, "wire_bytes": 12}
+    else:
+        assert "p" not in led  # receives are not counted

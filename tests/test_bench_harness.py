@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from lowcomm.bench import harness, netns
+from lowcomm import methods
+from lowcomm.bench import harness, netns, runner
 from lowcomm.bench.cli import split_methods
 from lowcomm.errors import UsageError
 
@@ -128,11 +129,16 @@ def test_real_workers_run_end_to_end_on_the_emulated_network(tmp_path: Path) -> 
 
 def test_timing_runs_start_compressing_after_warmup_unless_told_otherwise(tmp_path: Path) -> None:
     cfg = config(tmp_path, ["ssgd"], warmup=3)
-    assert harness.timing_spec("powersgd:rank=2", cfg) == "powersgd:rank=2,start_iter=3"
-    assert harness.timing_spec("topk", cfg) == "topk:start_iter=3"
-    assert harness.timing_spec("topk:start_iter=7", cfg) == "topk:start_iter=7"
-    assert harness.timing_spec("ssgd", cfg) == "ssgd"
-    assert harness.timing_spec("powersgd", config(tmp_path, ["ssgd"], epochs=1)) == "powersgd"
+    assert runner.timing_spec("powersgd:rank=2", cfg) == "powersgd:rank=2,start_iter=3"
+    assert runner.timing_spec("topk", cfg) == "topk:start_iter=3"
+    assert runner.timing_spec("topk:start_iter=7", cfg) == "topk:start_iter=7"
+    assert runner.timing_spec("ssgd", cfg) == "ssgd"
+    assert runner.timing_spec("powersgd", config(tmp_path, ["ssgd"], epochs=1)) == "powersgd"
+    # engine schedules: start_iter belongs to the chosen compressor, if it has one
+    assert runner.timing_spec("wfbp", cfg) == "wfbp"
+    assert runner.timing_spec("wfbp:compress=powersgd,rank=2", cfg) == "wfbp:compress=powersgd,rank=2,start_iter=3"
+    for spec in ("dear", "dear:compress=fp16", "lee18", "pufferfish"):
+        methods.create(runner.timing_spec(spec, cfg))  # what the workers will parse is valid
 
 
 def test_without_namespace_support_runs_on_loopback_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

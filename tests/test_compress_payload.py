@@ -25,6 +25,7 @@ from lowcomm.compress import (
 )
 from lowcomm.compress.base import payload_spec
 from lowcomm.compress.cast import CastCompressor
+from lowcomm.compress.codec import Layout
 from lowcomm.compress.lowrank import orthogonalize, should_compress
 from lowcomm.compress.topk import merge_sparse, num_selected
 from lowcomm.errors import UsageError
@@ -99,17 +100,23 @@ def test_merge_sparse_sums_coinciding_indices_and_is_symmetric() -> None:
     assert i3.tolist() == [0, 3, 5]
 
 
+def flat_layout(names: list[str], sizes: list[int]) -> Layout:
+    """A layout of 1-D tensors (the wrappers only need names and sizes)."""
+    return Layout.of(names, [(s,) for s in sizes], {})
+
+
 def test_error_feedback_keeps_exactly_what_was_not_sent() -> None:
     ef = ErrorFeedback(TopK(0.1))
     names, sizes = ["w"], [200]
+    layout = flat_layout(names, sizes)
     x1, x2 = torch.randn(200), torch.randn(200)
-    p1, ctx = ef.compress(x1, sizes, names=names)
+    p1, ctx = ef.compress(x1, layout)
     sent1 = ef.decompress(p1, ctx)
     mem1 = ef.memory.get(names, sizes, x1).clone()
     # Each entry is either sent whole or kept whole (memory = c - sent, one exact subtraction
     # of x or 0), so the split is exact: bit-for-bit, no tolerance.
     assert torch.equal(sent1 + mem1, x1)
-    p2, ctx = ef.compress(x2, sizes, names=names)
+    p2, ctx = ef.compress(x2, layout)
     sent2 = ef.decompress(p2, ctx)
     assert torch.equal(sent2 + ef.memory.get(names, sizes, x2), x2 + mem1)
 
@@ -119,13 +126,13 @@ def test_error_feedback_never_folds_nonfinite_input_and_its_payload_decodes_nonf
     # bucket; the step's single check after backward warns, see test_host_sync.py).
     ef = ErrorFeedback(ScaledSign())
     names, sizes = ["w"], [16]
-    ef.compress(torch.randn(16), sizes, names=names)
+    ef.compress(torch.randn(16), flat_layout(names, sizes))
     before = ef.memory.get(names, sizes, torch.zeros(16)).clone()
     bad = torch.randn(16)
     bad[3] = float("nan")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # and no warning from inside the compressor
-        payload, ctx = ef.compress(bad, sizes, names=names)
+        payload, ctx = ef.compress(bad, flat_layout(names, sizes))
     assert torch.equal(ef.memory.get(names, sizes, bad), before)
     assert not torch.isfinite(ef.decompress(payload, ctx)).all()
 
@@ -133,11 +140,11 @@ def test_error_feedback_never_folds_nonfinite_input_and_its_payload_decodes_nonf
 def test_momentum_is_not_updated_by_nonfinite_input() -> None:
     mom = Momentum(MajoritySign(), beta=0.9)
     names, sizes = ["w"], [8]
-    mom.compress(torch.ones(8), sizes, names=names)
+    mom.compress(torch.ones(8), flat_layout(names, sizes))
     before = mom.memory.get(names, sizes, torch.zeros(8)).clone()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # decided on the device, silently (no host sync)
-        mom.compress(torch.full((8,), float("inf")), sizes, names=names)
+        mom.compress(torch.full((8,), float("inf")), flat_layout(names, sizes))
     assert torch.equal(mom.memory.get(names, sizes, torch.zeros(8)), before)
     # 0.9 * 0 + (1 - 0.9) * 1: the float64 constant 1 - 0.9 rounded to float32, a multiply
     # and an add: 2 rounding steps
@@ -147,7 +154,7 @@ def test_momentum_is_not_updated_by_nonfinite_input() -> None:
 def test_param_store_keeps_state_per_name_across_bucket_layouts() -> None:
     ef = ErrorFeedback(TopK(0.5))
     x = torch.arange(1.0, 7.0)
-    ef.compress(x, [4, 2], names=["a", "b"])  # one bucket [a | b]
+    ef.compress(x, flat_layout(["a", "b"], [4, 2]))  # one bucket [a | b]
     mem = ef.memory.state_dict()
     assert set(mem) == {"a", "b"} and mem["a"].numel() == 4
     # DDP rebuilt its buckets: b alone, then a alone -- the memory follows the names
@@ -263,3 +270,16 @@ def test_every_compression_method_is_in_the_method_namespace() -> None:
     assert methods.create("topk").options.density == 0.01
     assert methods.create("powersgd").options.start_iter == 10
     assert methods.create("signsgd").options.error_feedback is True
+
+
+def test_docs_have_one_paragraph_per_registered_codec() -> None:
+    """docs/compression.md: a ``### <name>`` heading and paragraph for every codec."""
+    from pathlib import Path
+
+    from lowcomm.compress.codec import CODECS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "compression.md").read_text()
+    for name in CODECS.names():
+        head = f"\n### {name}\n"
+        assert head in text, f"docs/compression.md lacks a '### {name}' paragraph"
+        assert text.split(head, 1)[1].strip(), name

@@ -14,7 +14,8 @@ from lowcomm import methods, models
 from lowcomm.cli import main
 from lowcomm.errors import UsageError
 from lowcomm.lowrank import LowRankLinear, LowRankLSTM, factorize, factorized_ranks
-from lowcomm.lowrank.decay import frobenius_decay_
+from lowcomm.methods.base import split_top_level, strip_parens
+from lowcomm.optim import frobenius_decay_
 from lowcomm.runtime import checkpoint
 from lowcomm.testing.distributed import run_distributed
 from tolerance import assert_close_eps
@@ -131,6 +132,105 @@ def test_switch_then_resume_before_and_after_the_switch_matches_straight_run(tmp
     assert main(["train", *FAST, *method, "--checkpoint-dir", str(resumed), "--resume",
                  "--stop-after-steps", "12"]) == 0
     assert checkpoint.latest(str(resumed))["step"] == 22
+    assert main(["train", *FAST, *method, "--checkpoint-dir", str(resumed), "--resume"]) == 0
+    a, b = _final(straight), _final(resumed)
+    assert a.keys() == b.keys() and any(".v.weight" in k for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# --- nested method specs: then= and warmup_method= take any method with any options --------
+
+def test_nested_specs_split_only_outside_parentheses() -> None:
+    assert split_top_level("then=(acpsgd:rank=4,start_iter=5),rank_ratio=0.25") == [
+        "then=(acpsgd:rank=4,start_iter=5)", "rank_ratio=0.25"]
+    assert split_top_level(" a=((b:c=1,d=2)) , ,e=3") == ["a=((b:c=1,d=2))", "e=3"]
+    assert strip_parens(" (acpsgd:rank=4,start_iter=5) ") == "acpsgd:rank=4,start_iter=5"
+    assert strip_parens("(a)(b)") == "(a)(b)"  # not one enclosing pair
+    assert strip_parens("acpsgd:rank=4") == "acpsgd:rank=4"
+
+
+@pytest.mark.parametrize("spec", ["pufferfish:then=(acpsgd:rank=4", "pufferfish:then=acpsgd:rank=4),rank_ratio=0.5"])
+def test_unbalanced_parentheses_are_a_one_line_usage_error(spec: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(UsageError, match="unbalanced parentheses"):
+        methods.create(spec)
+    assert main(["train", "--model", "mlp", "--data", "digits", "--steps", "1", "--quiet", "--method", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unbalanced parentheses" in err[0]
+
+
+def test_nested_specs_build_the_inner_methods_with_their_options() -> None:
+    p = methods.create("pufferfish:then=(acpsgd:rank=4,start_iter=5),rank_ratio=0.5,warmup_epochs=1,"
+                       "warmup_method=(powersgd:rank=2,warm_start=false)")
+    assert p.options.rank_ratio == 0.5
+    assert p.inner.describe()["method"] == "powersgd"
+    assert p.inner.describe()["options"]["rank"] == 2 and p.inner.describe()["options"]["warm_start"] is False
+    assert p.on_epoch_end(1) is True
+    inner = p.inner.describe()
+    assert inner["method"] == "acpsgd" and inner["options"]["rank"] == 4 and inner["options"]["start_iter"] == 5
+    # one option needs no parentheses; no warm-up: the then= method runs from the start
+    assert methods.create("pufferfish:then=acpsgd:rank=3").inner.describe()["options"]["rank"] == 3
+    # the old ";" separator of warmup_method still reads (deprecated alias)
+    old = methods.create("pufferfish:warmup_epochs=1,warmup_method=powersgd:rank=4;start_iter=10")
+    assert old.inner.describe()["options"]["start_iter"] == 10
+
+
+def test_nested_spec_errors_name_the_nested_method_or_the_missing_parentheses() -> None:
+    with pytest.raises(UsageError, match=r"start_iter.*then=\(acpsgd:rank=4,start_iter=\.\.\.\)"):
+        methods.create("pufferfish:then=acpsgd:rank=4,start_iter=5")
+    with pytest.raises(UsageError, match="unknown option 'nosuch' for method 'acpsgd'"):
+        methods.create("pufferfish:then=(acpsgd:nosuch=1)")
+    with pytest.raises(UsageError, match="then cannot be pufferfish itself"):
+        methods.create("pufferfish:then=(pufferfish:rank_ratio=0.5)")
+
+
+def test_then_method_with_its_own_momentum_sets_the_optimizer_for_the_whole_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lowcomm.methods import pufferfish
+    from lowcomm.methods.base import Method, OptimizerOverride
+    from lowcomm.runtime.config import TrainConfig
+
+    cfg = TrainConfig()
+    assert {o.field: o.value for o in methods.create("pufferfish:then=signum").optimizer_overrides(cfg)} == {
+        "momentum": 0.0, "lr": pytest.approx(cfg.lr * (1 + cfg.momentum))}
+    both = methods.create("pufferfish:warmup_epochs=1,warmup_method=signum,then=signum").optimizer_overrides(cfg)
+    assert [o.field for o in both] == ["momentum", "lr"]  # the same needs, once
+
+    class Wants(Method):  # a method needing lr = its option
+        def __init__(self, lr: float) -> None:
+            super().__init__()
+            self.lr = lr
+
+        def optimizer_overrides(self, cfg: object) -> list[OptimizerOverride]:
+            return [OptimizerOverride("lr", self.lr, "why")]
+
+    monkeypatch.setattr(pufferfish, "_make_inner", lambda key, spec: Wants(0.1 if key == "then" else 0.2))
+    method = methods.create("pufferfish:warmup_epochs=1")
+    with pytest.raises(UsageError, match="warmup_method needs lr=0.2 but then needs lr=0.1; give --lr explicitly"):
+        method.optimizer_overrides(cfg)
+    cfg.explicit_flags = ["lr"]  # typed: kept (apply_method_overrides warns), no conflict to solve
+    assert [o.value for o in method.optimizer_overrides(cfg)] == [0.2]
+
+
+def test_pufferfish_then_acpsgd_switches_to_acpsgd_and_resumes_exactly(tmp_path: Path) -> None:
+    # 16 steps per epoch: warm-up (ssgd) for epoch 1, then acpsgd rank 2 from step 16 (its
+    # start_iter counts its own steps: all-reduce for 3 more steps, then low-rank factors)
+    method = ["--method", "pufferfish:warmup_epochs=1,then=(acpsgd:rank=2,start_iter=3),rewarmup_epochs=0.25"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    out, log = tmp_path / "s.json", tmp_path / "s.jsonl"
+    assert main(["train", *FAST, *method, "--checkpoint-dir", str(straight), "--json", str(out),
+                 "--log", str(log)]) == 0
+    s = json.loads(out.read_text())
+    inner = s["method_info"]["current_method"]
+    assert s["method_info"]["switched"] and inner["method"] == "acpsgd"
+    assert inner["options"]["rank"] == 2 and inner["options"]["start_iter"] == 3
+    steps = [r for r in map(json.loads, log.read_text().splitlines()) if r["event"] == "step"]
+    dense = 4 * s["params"]  # ssgd's bytes per step for P = 2 on the factorized model
+    assert [r["bytes"] == dense for r in steps[16:]] == [True] * 3 + [False] * 13
+    assert all(r["bytes"] < dense for r in steps[19:])  # acpsgd's factors are smaller
+    # resume after the switch (step 20: acpsgd's error feedback is live) is bit-identical
+    assert main(["train", *FAST, *method, "--checkpoint-dir", str(resumed), "--stop-after-steps", "20"]) == 0
     assert main(["train", *FAST, *method, "--checkpoint-dir", str(resumed), "--resume"]) == 0
     a, b = _final(straight), _final(resumed)
     assert a.keys() == b.keys() and any(".v.weight" in k for k in a)

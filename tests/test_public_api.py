@@ -45,3 +45,14 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         lowcomm.nope  # noqa: B018
     assert not hasattr(lowcomm, "optim_that_does_not_exist")
+
+
+def test_lowcomm_help_imports_neither_the_test_helpers_nor_torch_dynamo() -> None:
+    # torch._dynamo costs seconds, and `lowcomm --help` (and every CLI usage error) must not pay it
+    out = _python(
+        "import sys\nfrom lowcomm.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "bad = [m for m in ('torch._dynamo', 'lowcomm.testing') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    assert out.returncode == 0, out.stderr

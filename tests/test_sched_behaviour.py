@@ -42,8 +42,10 @@ methods.names()
         ("dear:threshold_mb=-1", ["threshold_mb", ">= 0"]),
         ("mgwfbp:alpha=0.001", ["alpha", "beta"]),
         ("mgwfbp:profile_iters=0", ["profile_iters"]),
-        ("dear:compress=topk", ["topk", "reduce-scatter"]),
-        ("wfbp:compress=signsgd", ["signsgd", "all-reduce"]),
+        ("dear:compress=powersgd", ["powersgd", "multi-round", "reduce-scatter"]),
+        ("lee18:compress=powersgd", ["powersgd", "slice", "wfbp:compress=powersgd"]),
+        ("wfbp:compress=fp16,density=0.1", ["density", "compress, broadcast_buffers", "fp16"]),
+        ("wfbp:density=0.1", ["density", "compress="]),
         ("lee18:tune=true", ["tune", "valid"]),
     ],
 )

@@ -63,7 +63,8 @@ def test_powersgd_one_layer_is_two_dependent_all_reduces_plus_compression() -> N
     expect = F + BW + enc + ar(m * r * 4) + mid + ar(n * r * 4) + dec + OPT
     assert pred.iter_time_s == pytest.approx(expect, rel=1e-12)
     tl = pred.timeline
-    ar1, orth, ar2 = (tl.find(x, 3) for x in ("ar1.b0", "orth.b0", "ar2.b0"))
+    # the P all-reduce is blocking: orthogonalization and Q = M^T P follow it in the hook
+    ar1, orth, ar2 = (tl.find(x, 3) for x in ("ar1.b0", "after.ar1.b0", "ar2.b0"))
     assert orth.start == pytest.approx(ar1.end) and ar2.start == pytest.approx(orth.end)
 
 
@@ -71,7 +72,7 @@ def test_powersgd_blocking_p_all_reduce_stalls_backward_but_acpsgd_does_not() ->
     prof = two_layers()
     ps = simulate(prof, "powersgd", workers=4, network=NET, bucket_mb=1)[0].tl
     # bucket 0 holds layer b; layer a's backward waits for P all-reduce + orthogonalization
-    assert ps.find("bwd.0", 2).start == pytest.approx(ps.find("orth.b0", 2).end)
+    assert ps.find("bwd.0", 2).start == pytest.approx(ps.find("after.ar1.b0", 2).end)
     assert ps.find("ar2.b0", 2).overlaps(ps.find("bwd.0", 2))  # the Q all-reduce is async
     acp = simulate(prof, "acpsgd", workers=4, network=NET, bucket_mb=1)[0].tl
     assert acp.find("bwd.0", 2).start == pytest.approx(acp.find("enc.b0", 2).end)
@@ -96,7 +97,7 @@ def test_acpsgd_sends_one_factor_per_step_alternating_p_and_q() -> None:
 def test_uncompressible_tensors_go_uncompressed_in_first_all_reduce() -> None:
     prof = one_layer([1024])  # 1-D bias only
     pred = predict_iteration_time(prof, "powersgd", workers=2, network=NET)
-    assert [t.name for t in pred.timeline.of_iteration(2) if t.kind == "comm"] == ["ar1.b0"]
+    assert [t.name for t in pred.timeline.of_iteration(2) if t.kind == "comm"] == ["ar.b0"]
     assert pred.wire_bytes_per_worker == 1024 * 4  # 2(P-1)/P·n with P=2
 
 

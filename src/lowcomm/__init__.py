@@ -25,7 +25,8 @@ SUBMODULES: frozenset[str] = frozenset({
     "lowrank",    # model axis: lowcomm.lowrank.factorize(model, ...)
     "methods",    # the --method registry: lowcomm.methods.create("acpsgd:rank=4")
     "models",     # model registry: lowcomm.models.create(name, ...)
-    "runtime",    # launcher, trainer, checkpoints, optimizers
+    "optim",      # update axis: optimizer builders, LR schedules, shard-aware step
+    "runtime",    # launcher, trainer, checkpoints
     "sched",      # schedule axis: WFBP, MG-WFBP, DeAR, Lee et al. 2018
     "sim",        # alpha-beta simulator, profiles, advisor
     "testing",    # @distributed-style helpers for tests of collective code
@@ -44,4 +45,5 @@ def __getattr__(name: str) -> ModuleType:
 
 
 def __dir__() -> list[str]:
+    """The lazy subpackages too, so tab completion and ``dir(lowcomm)`` show them."""
     return sorted(set(globals()) | SUBMODULES)

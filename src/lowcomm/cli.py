@@ -11,7 +11,7 @@ import argparse
 import importlib
 import os
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from lowcomm import __version__
 from lowcomm.errors import UsageError
@@ -26,11 +26,12 @@ COMMAND_MODULES = [
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``lowcomm`` parser; each tool module registers its subcommand (a missing optional tool is skipped)."""
     parser = _Parser(
         prog="lowcomm",
         description="Communication-efficient distributed training on PyTorch.",
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``lowcomm ...``: bad input is one ``lowcomm: error:`` line and exit code 2, never a traceback."""
     try:
         parser = build_parser()
         argv = list(sys.argv[1:] if argv is None else argv)

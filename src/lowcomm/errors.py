@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from numbers import Integral, Real
+from typing import TypeGuard
 
 #: Upper bound for counts (epochs, steps, batch sizes, ranks, ...): anything larger cannot be
 #: a real request and would overflow 32-bit sizes deep inside torch or gloo.
@@ -23,20 +24,20 @@ class UsageError(ValueError):
     """
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[Real]:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
 def check_finite(name: str, value: float) -> None:
     """Refuse ``nan``, ``±inf`` and non-numbers with a message naming the option."""
-    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
+    if not _is_number(value) or not math.isfinite(float(value)):
         raise UsageError(f"{name} must be a finite number, got {value!r}")
 
 
 def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None:
     """Refuse a non-positive or non-finite number with a message naming the option."""
     bound = ">= 0" if allow_zero else "> 0"
-    if not _is_number(value) or not math.isfinite(float(value)):  # type: ignore[arg-type]
+    if not _is_number(value) or not math.isfinite(float(value)):
         raise UsageError(f"{name} must be a finite number {bound}, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         raise UsageError(f"{name} must be {bound}, got {value}")
@@ -44,16 +45,16 @@ def check_positive(name: str, value: float, *, allow_zero: bool = False) -> None
 
 def check_fraction(name: str, value: float) -> None:
     """Refuse a value outside (0, 1] (``nan`` included)."""
-    if not _is_number(value) or not 0.0 < float(value) <= 1.0:  # type: ignore[arg-type]
+    if not _is_number(value) or not 0.0 < float(value) <= 1.0:
         raise UsageError(f"{name} must be in (0, 1], got {value!r}")
 
 
 def check_range(name: str, value: float, low: float, high: float, *,
                 low_open: bool = False, high_open: bool = False) -> None:
     """Refuse a value outside ``[low, high]`` (each end open on request), ``nan`` included."""
-    ok = _is_number(value) and math.isfinite(float(value))  # type: ignore[arg-type]
+    ok = _is_number(value) and math.isfinite(float(value))
     if ok:
-        v = float(value)  # type: ignore[arg-type]
+        v = float(value)
         ok = (low < v if low_open else low <= v) and (v < high if high_open else v <= high)
     if not ok:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"

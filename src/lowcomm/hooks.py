@@ -3,8 +3,8 @@
 >>> state = lowcomm.hooks.register(ddp_model, "powersgd", rank=4, start_iter=10)
 >>> ckpt = state.state_dict(); ...; state.load_state_dict(ckpt)
 
-Methods: ssgd, fp16, bf16, signsgd, signum, topk, gtopk, powersgd, acpsgd (see
-docs/compression.md for options, byte formulas and the NaN policy).
+Methods: ``ssgd`` and every compressor of :data:`lowcomm.compress.codec.CODECS` (see
+:func:`methods`, and docs/compression.md for options, byte formulas and the NaN policy).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lowcomm.comm.hooks import HOOKS, HookState, run_hook
+from lowcomm.comm.hooks import HOOKS, CodecHook, HookKind, run_hook
 from lowcomm.errors import UsageError
 
 
@@ -33,16 +33,17 @@ def options_for(method: str, **options: Any) -> Any:
         raise UsageError(f"invalid options for method {method!r}: {e}") from None
 
 
-def hook_class(method: str) -> type[HookState]:
+def hook_class(method: str) -> HookKind:
+    """How to build ``method``'s hook (UsageError with a suggestion for unknown names)."""
     try:
         return HOOKS[method]
     except KeyError:
-        close = difflib.get_close_matches(method, HOOKS, n=1)
+        close = difflib.get_close_matches(method, list(HOOKS), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise UsageError(f"unknown compression method {method!r}{hint}; valid: {', '.join(sorted(HOOKS))}") from None
 
 
-def register(ddp_model: nn.Module, method: str, *, process_group: Any = None, **options: Any) -> HookState:
+def register(ddp_model: nn.Module, method: str, *, process_group: Any = None, **options: Any) -> CodecHook:
     """Register ``method``'s comm hook on ``ddp_model``; return its state (checkpointable).
 
     ``method`` is a name or a ``name:key=value,...`` spec; keyword options win over the spec.
@@ -53,14 +54,23 @@ def register(ddp_model: nn.Module, method: str, *, process_group: Any = None, **
         method, _, text = method.partition(":")
         parsed = parse_options(method, hook_class(method).Options, text)
         options = {**dataclasses.asdict(parsed), **options}
-    opts = options_for(method, **options)
-    state = hook_class(method)(ddp_model, opts, process_group=process_group)
+    state = create(ddp_model, method, process_group=process_group, **options)
     ddp_model.register_comm_hook(state, run_hook)  # type: ignore[operator]
     return state
 
 
+def create(ddp_model: nn.Module, method: str, *, process_group: Any = None, **options: Any) -> CodecHook:
+    """``method``'s hook state with validated options, not registered (for callers that wrap
+    :func:`~lowcomm.comm.hooks.run_hook` in a hook of their own)."""
+    return hook_class(method)(ddp_model, options_for(method, **options), process_group=process_group)
+
+
 def methods() -> list[str]:
+    """Every method a hook can be registered for: ``ssgd`` and every registered codec."""
     return sorted(HOOKS)
 
 
-__all__ = ["HookState", "methods", "options_for", "register"]
+#: the hook state's class (the name earlier releases exported)
+HookState = CodecHook
+
+__all__ = ["CodecHook", "HookState", "create", "methods", "options_for", "register"]

@@ -25,6 +25,7 @@ def split_methods(text: str) -> list[str]:
 
 
 def default_methods() -> str:
+    """``--methods`` default: the standard comparison, less any method this build lacks."""
     from lowcomm import methods
 
     have = set(methods.names())
@@ -32,6 +33,7 @@ def default_methods() -> str:
 
 
 def register(sub: Any) -> None:
+    """Add ``lowcomm bench`` to the CLI (each tool registers its own subcommand)."""
     p = sub.add_parser(
         "bench",
         help="benchmark methods against each other on an emulated cluster",
@@ -128,6 +130,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``lowcomm bench``: run, print the table, write the JSON; the exit code says if any row failed."""
     from lowcomm.bench import harness, report
 
     cfg = build_config(args)

@@ -26,6 +26,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from lowcomm.bench.runner import launch_options, redirect_fds
+from lowcomm.runtime.launch import launch_workers
+
 #: Master port inside the namespaces (the trainer uses 29500, the TCP probe 29411-29412).
 PORT = 29600
 #: Target seconds on the wire for one large probe collective at the measured bandwidth.
@@ -52,7 +55,7 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
     torch.set_num_threads(threads)
     # gloo and CPU tensors on purpose: this times what gloo delivers on the emulated link, and
     # gloo carries CPU tensors. Timing NCCL would need CUDA tensors and a group with a CUDA
-    # backend ("cpu:gloo,cuda:nccl", see lowcomm.runtime.trainer.CUDA_BACKEND).
+    # backend ("cpu:gloo,cuda:nccl", see lowcomm.runtime.distributed.CUDA_BACKEND).
     dist.init_process_group("gloo")
     p, rank = dist.get_world_size(), dist.get_rank()
 
@@ -103,7 +106,7 @@ def run(
     Returns the probe's JSON, or ``{"error": reason}`` if it did not complete.
     """
     if launcher is None:
-        from lowcomm.runtime.launch import launch_workers as launcher
+        launcher = launch_workers
     wire = int(LARGE_WIRE_S * bits_per_s / 8) if bits_per_s else 0
     wire = min(wire, 64 << 20)  # at >1.7 Gbit/s the CPU, not the wire, sets the pace anyway
     work = Path(work_dir or tempfile.mkdtemp(prefix="lowcomm-collprobe-"))
@@ -111,16 +114,10 @@ def run(
     args = ["--out", str(out), "--wire-bytes", str(wire), "--reps", str(reps), "--threads", str(threads)]
     kw: dict[str, Any] = {"timeout_s": timeout_s, "failure_grace_s": 5.0, "quiet": True,
                           "command": [sys.executable, "-m", "lowcomm.bench.collprobe"]}
-    if cluster is not None:
-        kw.update(master_addr=cluster.addresses[0], master_port=PORT, rank_prefix=cluster.exec_prefix,
-                  rank_env=lambda r: {"GLOO_SOCKET_IFNAME": cluster.ifname})
-    else:
-        kw.update(rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
+    kw.update(launch_options(cluster, PORT))
     log = work / (out.stem + ".log")
-    from lowcomm.bench.harness import _redirect_fds
-
     started = time.perf_counter()
-    with _redirect_fds(log):
+    with redirect_fds(log):
         code = launcher(args, nproc, **kw)
     if code != 0 or not out.exists():
         text = log.read_text(errors="replace")[-300:] if log.exists() else ""
@@ -131,6 +128,7 @@ def run(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Worker entry point (``python -m lowcomm.bench.collprobe``): one rank of the probe."""
     p = argparse.ArgumentParser(prog="python -m lowcomm.bench.collprobe")
     p.add_argument("--out", required=True)
     p.add_argument("--wire-bytes", type=int, default=0)

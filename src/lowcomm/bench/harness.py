@@ -18,49 +18,21 @@ the reason; the remaining methods still run. A network the machine cannot shape 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import platform
 import re
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from lowcomm.bench import bounds, collprobe, netns, prediction, probe
-from lowcomm.bench.netns import NetSpec
+from lowcomm.bench import bounds, collprobe, netns, prediction
+from lowcomm.bench.environment import machine, network
+from lowcomm.bench.runner import BenchConfig, Launcher, run_method
 from lowcomm.errors import UsageError
 
 #: Measured bandwidth below this fraction of the request: the rate is unreachable here.
 REACHABLE_FRACTION = 0.85
-MASTER_PORT = 29500  # inside a namespace nothing else listens
-
-
-@dataclass
-class BenchConfig:
-    methods: list[str]
-    nets: list[NetSpec]
-    nproc: int = 4
-    model: str = "resnet18"
-    data: str = "synthetic"
-    input_shape: str | None = "3,32,32"
-    batch_size: int = 32
-    iters: int = 10  # timed iterations per method
-    warmup: int = 2  # excluded from the medians
-    epochs: int | None = None  # time-to-accuracy mode
-    threads: int | None = None
-    timeout_s: float = 900.0
-    work_dir: str | None = None
-    compute_only: bool = True  # run `nocomm` for the lower bound
-    extra_train_args: list[str] = field(default_factory=list)
-    quiet: bool = False
-    predict: bool = True  # profile + collective probe + simulator prediction per row
-
-    @property
-    def tta(self) -> bool:
-        return self.epochs is not None
 
 
 # --- validation (before anything starts) ----------------------------------------------------
@@ -128,196 +100,7 @@ def check_capacity(nproc: int, model: str, *, cpus: int | None = None, available
         )
 
 
-# --- one method --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _redirect_fds(path: Path) -> Iterator[None]:
-    """Send this process's fd 1/2 (inherited by the workers) to ``path`` while they run."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "ab") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-    try:
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        os.close(saved[0])
-        os.close(saved[1])
-
-
-def failure_reason(log_text: str, returncode: int) -> str:
-    """The most telling line of a failed run's log (the exception, else the last line)."""
-    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in log_text.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Failure)\b|^lowcomm: error", ln)]
-    fatal = [ln for ln in lines if ln.startswith("what():") or "terminate called" in ln]
-    pick = (fatal[-1] if fatal else errors[-1] if errors else lines[-1] if lines else "no output")
-    if returncode == 124:
-        pick = f"timed out; last output: {pick}"
-    return f"exit code {returncode}: {pick[:300]}"
-
-
-def train_args(cfg: BenchConfig, method: str, json_path: Path) -> list[str]:
-    """The ``lowcomm train`` command line every worker runs for ``method``."""
-    args = ["train", "--model", cfg.model, "--data", cfg.data, "--method", method,
-            "--batch-size", str(cfg.batch_size), "--json", str(json_path)]
-    if cfg.input_shape and cfg.data == "synthetic":
-        args += ["--input-shape", cfg.input_shape]
-    if cfg.tta:
-        args += ["--epochs", str(cfg.epochs), "--warmup-steps", str(cfg.warmup)]
-    else:
-        args += ["--steps", str(cfg.iters + cfg.warmup), "--warmup-steps", str(cfg.warmup), "--no-eval"]
-    if cfg.threads:
-        args += ["--threads", str(cfg.threads)]
-    return args + ["--no-progress"] + list(cfg.extra_train_args)
-
-
-def timing_spec(spec: str, cfg: BenchConfig) -> str:
-    """In timing runs, start compressing when timing starts (after the warm-up iterations).
-
-    Methods with a ``start_iter`` option send uncompressed gradients for their first steps
-    (10 by default, as the papers advise for accuracy); a timing run of a few iterations
-    would otherwise measure plain all-reduce. An explicit ``start_iter=`` is kept, and
-    time-to-accuracy runs keep the method's defaults.
-    """
-    import dataclasses
-
-    from lowcomm import methods
-
-    name, opts = methods.split_spec(spec)
-    if cfg.tta or "start_iter=" in opts:
-        return spec
-    methods.names()  # loads the built-in method modules
-    fields = {f.name for f in dataclasses.fields(methods.METHODS.get(name).Options)}  # type: ignore[attr-defined]
-    if "start_iter" not in fields:
-        return spec
-    return f"{name}:{opts + ',' if opts else ''}start_iter={cfg.warmup}"
-
-
-Launcher = Callable[..., int]
-
-
-def run_method(
-    cfg: BenchConfig,
-    method: str,
-    *,
-    work: Path,
-    tag: str,
-    cluster: netns.Cluster | None,
-    launcher: Launcher | None = None,
-) -> dict[str, Any]:
-    """Run one method on the current network; return its row (``status`` ok or failed)."""
-    if launcher is None:
-        from lowcomm.runtime.launch import launch_workers as launcher
-    run_spec = timing_spec(method, cfg)
-    json_path = work / f"{tag}.json"
-    log_path = work / f"{tag}.log"
-    json_path.unlink(missing_ok=True)
-    kw: dict[str, Any] = {"timeout_s": cfg.timeout_s, "failure_grace_s": 10.0}
-    if cluster is not None:
-        kw.update(
-            master_addr=cluster.addresses[0],
-            master_port=MASTER_PORT,
-            rank_prefix=cluster.exec_prefix,
-            rank_env=lambda r: {"GLOO_SOCKET_IFNAME": cluster.ifname, "LOWCOMM_MEASURE_IFACE": cluster.ifname},
-        )
-    else:
-        kw.update(rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
-    started = time.perf_counter()
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    with _redirect_fds(log_path):
-        code = launcher(train_args(cfg, run_spec, json_path), cfg.nproc, **kw)
-    wall = time.perf_counter() - started
-    if code == 130:  # the launcher caught Ctrl-C / SIGTERM and stopped the workers: stop the bench
-        raise KeyboardInterrupt
-    row: dict[str, Any] = {"method": method, "spec_run": run_spec, "wall_s": wall, "log": str(log_path),
-                           "load_avg_1m_before": load}
-    if code != 0 or not json_path.exists():
-        text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        row.update(status="failed", reason=failure_reason(text, code) if code else "no summary JSON written")
-        return row
-    summary = json.loads(json_path.read_text())
-    row.update(status="ok")
-    for key in ("iter_time_s_median", "bytes_per_worker_per_iter", "bytes_sent_per_worker", "breakdown_s",
-                "measured_tx_bytes_per_iter", "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic"):
-        if key in summary:
-            row[key] = summary[key]
-    if cfg.tta:
-        row["accuracy_curve"] = [
-            {"epoch": h.get("epoch"), "wall_s": h["wall_s"], "test_accuracy": h["test_accuracy"]}
-            for h in summary.get("history", []) if "test_accuracy" in h and "wall_s" in h
-        ]
-    return row
-
-
 # --- the whole benchmark ------------------------------------------------------------------
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-    try:
-        info["load_avg_1m_at_start"] = os.getloadavg()[0]  # other work on the machine skews timings
-    except OSError:
-        pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        if names:
-            info["cpu"] = names[0]
-    except OSError:
-        pass
-    return info
-
-
-@contextlib.contextmanager
-def network(spec: NetSpec, nproc: int, log: Callable[[str], None]) -> Iterator[tuple[netns.Cluster | None, dict[str, Any]]]:
-    """Set up ``spec`` (or loopback), probe it, yield ``(cluster or None, network dict)``."""
-    info: dict[str, Any] = {"requested": spec.requested, "label": spec.label(), "emulated": False,
-                            "requested_bits_per_s": spec.rate_bits_per_s, "delay_ms": spec.delay_ms}
-    if spec.loopback:
-        info["note"] = "--net none: plain loopback"
-        info.update(_probe_dict(probe.probe_loopback()))
-        yield None, info
-        return
-    reason = netns.netns_support()
-    if reason:
-        info["note"] = f"not emulated: {reason}; ran on loopback"
-        log(f"lowcomm bench: cannot emulate {spec.label()} ({reason}); running on loopback instead")
-        info.update(_probe_dict(probe.probe_loopback()))
-        yield None, info
-        return
-    cluster = netns.Cluster(nproc, spec)
-    try:
-        cluster.up()
-    except netns.NetnsUnavailable as e:
-        info["note"] = f"not emulated: {e}; ran on loopback"
-        log(f"lowcomm bench: cannot emulate {spec.label()} ({e}); running on loopback instead")
-        info.update(_probe_dict(probe.probe_loopback()))
-        yield None, info
-        return
-    try:
-        info["emulated"] = True
-        info["namespaces"] = list(cluster.namespaces)
-        info.update(_probe_dict(probe.probe([cluster.exec_prefix(r) for r in range(nproc)], cluster.addresses)))
-        yield cluster, info
-    finally:
-        cluster.down()
-
-
-def _probe_dict(p: probe.ProbeResult) -> dict[str, Any]:
-    return {"measured_bits_per_s": p.measured_bits_per_s, "rtt_ms": p.rtt_ms, "probe_directions": p.directions}
 
 
 def _profile(cfg: BenchConfig) -> Any:

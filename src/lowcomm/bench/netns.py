@@ -55,9 +55,11 @@ class NetSpec:
 
     @property
     def loopback(self) -> bool:
+        """``--net none``: no shaping, the workers talk over loopback."""
         return self.rate_bits_per_s is None
 
     def label(self) -> str:
+        """Human-readable rate and delay, for table titles and log lines."""
         if self.rate_bits_per_s is None:
             return "loopback"
         text = format_rate(self.rate_bits_per_s)
@@ -169,11 +171,13 @@ def _owner_pid(name: str) -> int | None:
 
 
 def list_namespaces() -> list[str]:
+    """Our namespaces that exist now (by prefix): what a crashed run may have left behind."""
     out = _run(["ip", "netns", "list"], check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
 
 
 def list_links() -> list[str]:
+    """Our host-side links that exist now (by prefix), for the same clean-up."""
     out = _run(["ip", "-o", "link", "show"], check=False).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
     return [n for n in names if n.startswith(PREFIX)]
@@ -231,6 +235,7 @@ class Cluster:
 
     @property
     def ifname(self) -> str:
+        """The workers' interface inside each namespace (gloo must bind to it)."""
         return WORKER_IFNAME
 
     def exec_prefix(self, rank: int) -> list[str]:
@@ -246,6 +251,7 @@ class Cluster:
         self.down()
 
     def up(self) -> None:
+        """Create the namespaces, links and shapers; anything half-built is removed on failure."""
         reason = netns_support()
         if reason:
             raise NetnsUnavailable(reason)
@@ -347,4 +353,5 @@ class Cluster:
 
 
 def rank_prefix_fn(cluster: Cluster) -> Callable[[int], list[str]]:
+    """The launcher's ``rank_prefix`` for ``cluster``: run each rank in its own namespace."""
     return cluster.exec_prefix

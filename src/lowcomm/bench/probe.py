@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
+from lowcomm.runtime.launch import free_port
+
 CHUNK = 1 << 16
 
 
@@ -35,6 +37,7 @@ class ProbeResult:
     directions: dict[str, float]  # "0->1" -> bits/s
 
     def as_dict(self) -> dict[str, object]:
+        """Plain dict for the result JSON."""
         return asdict(self)
 
 
@@ -128,8 +131,6 @@ def measure_pair(
     network (no prefix) a port that is free right now is used instead.
     """
     if not server_prefix:
-        from lowcomm.testing.distributed import free_port
-
         port = free_port()
     py = [sys.executable, "-m", "lowcomm.bench.probe"]
     server = subprocess.Popen(
@@ -192,6 +193,7 @@ def probe_loopback(*, seconds: float = 0.5) -> ProbeResult:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the probe's server and client processes (``python -m lowcomm.bench.probe``)."""
     p = argparse.ArgumentParser(prog="python -m lowcomm.bench.probe")
     sub = p.add_subparsers(dest="role", required=True)
     s = sub.add_parser("serve")

@@ -98,6 +98,7 @@ def network_label(net: dict[str, Any]) -> str:
 
 
 def title(result: dict[str, Any], net: dict[str, Any] | None = None) -> str:
+    """Table title: model, data, workers, batch and the network as measured."""
     net = net or result.get("network") or {}
     return (
         f"{result.get('model')} ({result.get('data_label', result.get('data'))}), "
@@ -107,18 +108,22 @@ def title(result: dict[str, Any], net: dict[str, Any] | None = None) -> str:
 
 
 def runs_for(result: dict[str, Any], net: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows measured on ``net`` (a result holds one block of rows per network)."""
     return [r for r in result.get("runs", []) if r.get("net", net.get("requested")) == net.get("requested")]
 
 
 def networks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every network of a result, also for results written before several were allowed."""
     return list(result.get("networks") or ([result["network"]] if result.get("network") else []))
 
 
 def rows(runs: Iterable[dict[str, Any]], cols: tuple[tuple[str, str], ...] = COLUMNS) -> list[list[str]]:
+    """Formatted table cells, one list per run (shared by the console and markdown tables)."""
     return [[_fmt(k, r) for _, k in cols] for r in runs]
 
 
 def failures(runs: Iterable[dict[str, Any]]) -> list[str]:
+    """One line per failed run with its reason: failures are reported, never dropped."""
     return [f"{r['method']}: FAILED — {r.get('reason', 'unknown reason')}" for r in runs if r.get("status") == "failed"]
 
 
@@ -211,11 +216,13 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def write_json(result: dict[str, Any], path: str | Path) -> None:
+    """Write the full result (the tables are rendered from it, so nothing is lost)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2, sort_keys=False) + "\n")
 
 
 def load_json(path: str | Path) -> dict[str, Any]:
+    """Read a result written by :func:`write_json` (``benchmarks/render.py`` re-renders it)."""
     return json.loads(Path(path).read_text())
 
 

@@ -13,35 +13,45 @@ collective kind and per tag (e.g. ``"powersgd.P"``):
 ``bytes_sent_per_worker`` in every summary is the sum of ``wire_bytes``. The formulas are the
 ones the simulator uses, so measured and predicted traffic are comparable.
 
-Devices. A process group carries a tensor only if it has a backend for the tensor's device
-type: ``init_process_group("nccl")`` registers none for ``cpu``, and a CPU tensor then fails
-deep inside c10d ("No backend type associated with device type cpu"), often on one code path
-that only runs every few epochs. Every wrapper here checks first (:func:`device_backend`,
-once per group and device type, then a dictionary look-up) and raises
-:class:`BackendDeviceError` naming the collective, the tag and the group's backends. Point-to-
-point transfers of CUDA tensors on a gloo backend are staged through host memory, because
+Devices. Every wrapper first checks that the group has a backend for its tensors' device
+(:mod:`lowcomm.comm.backends`) and raises :class:`BackendDeviceError` naming the collective,
+the tag and the group's backends, before anything is counted. Point-to-point transfers of CUDA tensors on a gloo backend are staged through host memory, because
 gloo's send/recv read the tensor's data pointer as host memory.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, ParamSpec, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from lowcomm.comm.backends import (
+    BackendDeviceError,
+    check_device_supported,
+    device_backend,
+    parse_backend_config,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
 
 @dataclass
 class Counter:
+    """Calls and bytes of one collective kind or one tag: a summary's traffic breakdown."""
+
     calls: int = 0
     payload_bytes: int = 0
     wire_bytes: int = 0
 
     def add(self, payload: int, wire: int) -> None:
+        """Count one call."""
         self.calls += 1
         self.payload_bytes += payload
         self.wire_bytes += wire
@@ -56,24 +66,30 @@ class Ledger:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, collective: str, tag: str, payload: int, wire: int) -> None:
+        """Count one call under its collective kind and its tag (thread-safe: DDP's comm hooks
+        and the engine's callbacks may record from another thread)."""
         with self._lock:
             self.by_collective[collective].add(payload, wire)
             self.by_tag[tag].add(payload, wire)
 
     @property
     def wire_bytes(self) -> int:
+        """Bytes this worker sent: a summary's ``bytes_sent_per_worker``."""
         return sum(c.wire_bytes for c in self.by_collective.values())
 
     @property
     def payload_bytes(self) -> int:
+        """Bytes this worker handed to collectives (before the ring's factor)."""
         return sum(c.payload_bytes for c in self.by_collective.values())
 
     def reset(self) -> None:
+        """Forget every count: the trainer measures each phase (warm-up, timed steps) apart."""
         with self._lock:
             self.by_collective.clear()
             self.by_tag.clear()
 
     def as_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready totals (what run summaries and the distributed tests compare)."""
         def dump(d: dict[str, Counter]) -> dict[str, dict[str, int]]:
             return {k: vars(v).copy() for k, v in sorted(d.items())}
 
@@ -103,109 +119,6 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _world(group: Any) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
-
-
-# --- which backend carries which device ------------------------------------------------------
-class BackendDeviceError(RuntimeError):
-    """A collective was handed a tensor on a device its process group has no backend for."""
-
-
-def parse_backend_config(config: str) -> dict[str, str]:
-    """``{"cpu": "gloo", "cuda": "nccl"}`` from ``"cpu:gloo,cuda:nccl"``.
-
-    The format is that of :func:`torch.distributed.get_backend_config` (lower case,
-    ``device:backend`` pairs). A bare backend name (``"nccl"``) is expanded the way torch
-    expands it (:class:`torch.distributed.BackendConfig`), so both spellings give one answer.
-    """
-    text = config.strip().lower()
-    if text and ":" not in text:
-        text = str(dist.BackendConfig(dist.Backend(text)))
-    out: dict[str, str] = {}
-    for pair in filter(None, (p.strip() for p in text.split(","))):
-        device, sep, backend = pair.partition(":")
-        if not sep or not device or not backend:
-            raise ValueError(f"malformed backend config {config!r}: expected 'device:backend,...'")
-        out[device.strip()] = backend.strip()
-    return out
-
-
-def check_device_supported(
-    config: str | dict[str, str], device_type: str, *, what: str = "collective"
-) -> str:
-    """The backend name that carries ``device_type`` tensors under ``config``, or raise.
-
-    A pure function of the configuration (no process group needed), so the refusal is
-    testable on a CPU-only machine with a config such as ``"cuda:nccl"``.
-
-    Raises:
-        BackendDeviceError: ``config`` has no backend for ``device_type``.
-    """
-    mapping = parse_backend_config(config) if isinstance(config, str) else config
-    backend = mapping.get(device_type)
-    if backend is None:
-        have = ", ".join(f"{d}:{b}" for d, b in mapping.items()) or "none"
-        hint = (
-            "initialize the group with a backend for both devices, e.g. "
-            "dist.init_process_group('cpu:gloo,cuda:nccl'), or "
-            if device_type == "cpu"
-            else ""
-        )
-        raise BackendDeviceError(
-            f"{what}: a {device_type} tensor cannot travel on this process group, whose backends "
-            f"are {have}; {hint}create the tensor on a device the group serves "
-            f"({', '.join(mapping) or 'none'})"
-        )
-    return backend
-
-
-# group -> {device type -> backend name}; weak keys, so a destroyed group's entry goes with it
-_BACKENDS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
-_BACKENDS_LOCK = threading.Lock()
-
-
-def _group_backends(group: Any) -> dict[str, str] | None:
-    """Device-type -> backend map of ``group`` (cached), or None where torch cannot say."""
-    pg = group if group is not None else dist.group.WORLD
-    if pg is None:
-        return None
-    try:
-        return _BACKENDS[pg]
-    except KeyError:
-        pass
-    except TypeError:  # not weak-referenceable: never cached, still checked
-        pass
-    try:
-        mapping = parse_backend_config(dist.get_backend_config(pg))
-    except (ValueError, RuntimeError, AttributeError):
-        # this rank is not in ``pg`` (the collective is then a no-op in torch), or a group
-        # kind without a recorded config: leave the call to torch unchanged
-        return None
-    try:
-        with _BACKENDS_LOCK:
-            _BACKENDS[pg] = mapping
-    except TypeError:
-        pass
-    return mapping
-
-
-def device_backend(
-    group: Any, device: torch.device | str, *, what: str = "collective"
-) -> str | None:
-    """Name of the backend that carries ``device`` tensors on ``group`` (None: not known).
-
-    Checked once per (group, device type), then a dictionary look-up. Returns None when no
-    process group is initialized (torch then raises its own, clear error).
-
-    Raises:
-        BackendDeviceError: the group has no backend for ``device``'s type.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    mapping = _group_backends(group)
-    if mapping is None:
-        return None
-    device_type = torch.device(device).type
-    return check_device_supported(mapping, device_type, what=what)
 
 
 def _check(collective: str, tag: str, group: Any, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -243,57 +156,75 @@ def _record(collective: str, tag: str, payload: int, group: Any, *, is_src: bool
     _LEDGER.record(collective, tag, payload, wire_bytes(collective, payload, p, is_src=is_src))
 
 
-def all_reduce(
-    tensor: torch.Tensor,
-    op: Any = dist.ReduceOp.SUM,
-    group: Any = None,
-    async_op: bool = False,
-    *,
-    tag: str = "all_reduce",
-) -> Any:
-    _check("all_reduce", tag, group, [tensor])
-    _record("all_reduce", tag, _nbytes(tensor), group)
+def _counted(
+    kind: str, *, tensors: tuple[str, ...], payload: str | None = None, src: str | None = None
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorator for the wrappers below: the one place that checks and counts a collective.
+
+    Before the wrapper's body (the plain ``torch.distributed`` call) runs, the tensors named in
+    ``tensors`` (a list argument counts each element) are checked against the group's backends
+    (:func:`_check`), then the bytes of the argument named ``payload`` are recorded under
+    ``kind`` and the call's ``tag`` (nothing is recorded without ``payload``: receives). With
+    ``src``, the argument of that name is the sending rank (broadcast: only the source sends).
+    Arguments are matched by name, so each wrapper keeps its own signature.
+    """
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def counted(*args: P.args, **kwargs: P.kwargs) -> R:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            arg = bound.arguments
+            is_src = src is None or (dist.get_rank() if dist.is_initialized() else 0) == arg[src]
+            checked: list[torch.Tensor] = []
+            for name in tensors:
+                value = arg[name]
+                checked.extend(value if isinstance(value, (list, tuple)) else [value])
+            _check(kind, arg["tag"], arg["group"], checked)
+            if payload is not None:
+                _record(kind, arg["tag"], _nbytes(arg[payload]), arg["group"], is_src=is_src)
+            return fn(*args, **kwargs)
+
+        return counted
+
+    return decorate
+
+
+def _backend(group: Any, tensor: torch.Tensor) -> str | None:
+    """The backend that carries ``tensor`` (already checked by :func:`_counted`; cached)."""
+    return device_backend(group, tensor.device)
+
+
+@_counted("all_reduce", tensors=("tensor",), payload="tensor")
+def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+               async_op: bool = False, *, tag: str = "all_reduce") -> Any:
+    """:func:`torch.distributed.all_reduce`, checked and counted under ``tag``."""
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def all_gather_into_tensor(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Any = None,
-    async_op: bool = False,
-    *,
-    tag: str = "all_gather",
-) -> Any:
-    _check("all_gather", tag, group, [output, input])
-    _record("all_gather", tag, _nbytes(input), group)
+@_counted("all_gather", tensors=("output", "input"), payload="input")
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                           async_op: bool = False, *, tag: str = "all_gather") -> Any:
+    """All-gather into one flat tensor (torch's ``all_gather_single``), checked and counted."""
     return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
 
 
-def all_gather(
-    outputs: list[torch.Tensor],
-    input: torch.Tensor,
-    group: Any = None,
-    async_op: bool = False,
-    *,
-    tag: str = "all_gather",
-) -> Any:
-    _check("all_gather", tag, group, [input, *outputs])
-    _record("all_gather", tag, _nbytes(input), group)
+@_counted("all_gather", tensors=("input", "outputs"), payload="input")
+def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: Any = None,
+               async_op: bool = False, *, tag: str = "all_gather") -> Any:
+    """:func:`torch.distributed.all_gather` into a list, checked and counted under ``tag``."""
     return dist.all_gather(outputs, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    op: Any = dist.ReduceOp.SUM,
-    group: Any = None,
-    async_op: bool = False,
-    *,
-    tag: str = "reduce_scatter",
-) -> Any:
-    backend = _check("reduce_scatter", tag, group, [output, input])
-    _record("reduce_scatter", tag, _nbytes(input), group)
-    if op == dist.ReduceOp.SUM and backend == "gloo":  # the backend of this tensor's device
+@_counted("reduce_scatter", tensors=("output", "input"), payload="input")
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                          group: Any = None, async_op: bool = False, *,
+                          tag: str = "reduce_scatter") -> Any:
+    """Reduce-scatter of one flat tensor, checked and counted; a sum on gloo runs as an
+    all-to-all plus a local sum (:func:`_reduce_scatter_by_all_to_all`)."""
+    if op == dist.ReduceOp.SUM and _backend(group, input) == "gloo":  # the backend of this tensor's device
         return _reduce_scatter_by_all_to_all(output, input, group, async_op)
     return _REDUCE_SCATTER_SINGLE(output, input, op=op, group=group, async_op=async_op)
 
@@ -335,30 +266,17 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
     return handle
 
 
-def broadcast(
-    tensor: torch.Tensor,
-    src: int,
-    group: Any = None,
-    async_op: bool = False,
-    *,
-    tag: str = "broadcast",
-) -> Any:
-    is_src = (dist.get_rank() if dist.is_initialized() else 0) == src
-    _check("broadcast", tag, group, [tensor])
-    _record("broadcast", tag, _nbytes(tensor), group, is_src=is_src)
+@_counted("broadcast", tensors=("tensor",), payload="tensor", src="src")
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, *,
+              tag: str = "broadcast") -> Any:
+    """:func:`torch.distributed.broadcast`, checked and counted (bytes on the source only)."""
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
-def all_to_all_single(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    group: Any = None,
-    async_op: bool = False,
-    *,
-    tag: str = "all_to_all",
-) -> Any:
-    _check("all_to_all", tag, group, [output, input])
-    _record("all_to_all", tag, _nbytes(input), group)
+@_counted("all_to_all", tensors=("output", "input"), payload="input")
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+                      async_op: bool = False, *, tag: str = "all_to_all") -> Any:
+    """:func:`torch.distributed.all_to_all_single` (equal splits), checked and counted."""
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
 
@@ -389,23 +307,22 @@ class _CopyBackWork:
         return self._done or bool(self._work.is_completed())
 
 
+@_counted("p2p", tensors=("tensor",), payload="tensor")
 def isend(tensor: torch.Tensor, dst: int, group: Any = None, *, tag: str = "p2p") -> Any:
     """Point-to-point send (counted: wire bytes = payload bytes on the sender).
 
     Prefer :func:`batch_isend_irecv` when both partners send to each other: NCCL may
     deadlock on two unbatched sends of large messages that wait for their receives.
     """
-    backend = _check("p2p", tag, group, [tensor])
-    _record("p2p", tag, _nbytes(tensor), group)
-    if _stage_through_host(backend, tensor):
+    if _stage_through_host(_backend(group, tensor), tensor):
         tensor = tensor.detach().to("cpu")  # synchronous copy: the data is on the host now
     return dist.isend(tensor, dst=dst, group=group)
 
 
+@_counted("p2p", tensors=("tensor",))
 def irecv(tensor: torch.Tensor, src: int, group: Any = None, *, tag: str = "p2p") -> Any:
     """Point-to-point receive (not counted: the sender counts the bytes)."""
-    backend = _check("p2p", tag, group, [tensor])
-    if _stage_through_host(backend, tensor):
+    if _stage_through_host(_backend(group, tensor), tensor):
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
         return _CopyBackWork(dist.irecv(staged, src=src, group=group), staged, tensor)
     return dist.irecv(tensor, src=src, group=group)
@@ -440,7 +357,28 @@ def batch_isend_irecv(ops: Sequence[dist.P2POp], *, tag: str = "p2p") -> list[An
     for op in ops:
         if op.op is dist.isend:
             _record("p2p", tag, _nbytes(op.tensor), op.group)
-    works = list(dist.batch_isend_irecv(run_ops))
+    works: list[Any] = list(dist.batch_isend_irecv(run_ops))
     for i, host in staged:
         works[i] = _CopyBackWork(works[i], host, ops[i].tensor)
     return works
+
+
+__all__ = [
+    "BackendDeviceError",
+    "Counter",
+    "Ledger",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "broadcast",
+    "check_device_supported",
+    "device_backend",
+    "irecv",
+    "isend",
+    "ledger",
+    "parse_backend_config",
+    "reduce_scatter_tensor",
+    "wire_bytes",
+]

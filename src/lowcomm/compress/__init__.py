@@ -1,29 +1,39 @@
-"""Payload axis: how one gradient is encoded. Pure tensor math, never a collective.
+"""Payload axis: how one gradient is encoded. Tensor math and state, never a collective.
 
-Each compressor says which aggregation it needs (:attr:`Compressor.aggregation`):
-``"all_reduce"`` when payloads can be summed (casts, low-rank factors) and ``"all_gather"``
-when each worker's payload must be decoded separately (signs, sparse top-k). The comm hooks
-in :mod:`lowcomm.comm.hooks` pick the collective from that, and error feedback
-(:mod:`lowcomm.compress.feedback`) wraps any compressor from the outside.
+Every compressor is one :class:`~lowcomm.compress.codec.Codec` in its own module of this
+package, registered in :data:`~lowcomm.compress.codec.CODECS` (found by listing the package:
+adding a compressor touches no other module). The codec declares its aggregation, messages,
+byte cost and state; :mod:`lowcomm.comm.transport` carries it for the DDP comm hooks and
+the scheduling engine alike. The payload-math classes (:class:`Compressor` and its
+subclasses) are the codecs' building blocks, also timed by the simulator's profiler.
 """
 
 from __future__ import annotations
 
 from lowcomm.compress.base import Compressor, pack_payload, unpack_payload
 from lowcomm.compress.cast import CastCompressor
-from lowcomm.compress.feedback import ErrorFeedback, Momentum, ParamStore
+from lowcomm.compress.codec import CODECS, Aggregation, Codec, CodecCost, Layout, Message, codec_class
+from lowcomm.compress.feedback import Direct, ErrorFeedback, Momentum, ParamStore
 from lowcomm.compress.sign import MajoritySign, ScaledSign, pack_signs, unpack_signs
 from lowcomm.compress.topk import TopK, fast_topk_indices, topk_indices
 
 __all__ = [
+    "CODECS",
+    "Aggregation",
     "CastCompressor",
+    "Codec",
+    "CodecCost",
     "Compressor",
+    "Direct",
     "ErrorFeedback",
-    "ParamStore",
+    "Layout",
     "MajoritySign",
+    "Message",
     "Momentum",
+    "ParamStore",
     "ScaledSign",
     "TopK",
+    "codec_class",
     "fast_topk_indices",
     "pack_payload",
     "pack_signs",

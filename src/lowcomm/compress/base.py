@@ -1,4 +1,8 @@
-"""The compressor interface, and byte-level payload packing shared by the all-gather hooks.
+"""Payload math (:class:`Compressor`) and the byte-level packing of gathered payloads.
+
+A :class:`Compressor` is the pure tensor math of one payload format (encode one flat
+tensor, decode one payload, average several): the codecs of :mod:`lowcomm.compress` build on
+it, and the simulator's profiler times it. It knows nothing of collectives, steps or state.
 
 A payload is a list of tensors. :func:`pack_payload` flattens it into one ``uint8`` tensor so
 an all-gather-kind method issues exactly one collective per bucket (fewer latency terms, and
@@ -9,7 +13,7 @@ bytes that match the analytic formula exactly); :func:`unpack_payload` inverts i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -20,12 +24,10 @@ class Compressor(ABC):
     """Encode a flat gradient into a payload and decode it back.
 
     ``compress`` returns ``(payload, ctx)``; ``ctx`` holds whatever the local decode needs
-    (never sent). ``decompress(payload, ctx)`` reconstructs the flat tensor. For
-    ``aggregation == "all_gather"`` compressors, :meth:`aggregate` decodes the gathered
-    payloads of all workers into their mean.
+    (never sent). ``decompress(payload, ctx)`` reconstructs the flat tensor;
+    :meth:`aggregate` decodes several workers' payloads into their mean (how payloads
+    combine on the wire is the codec's :attr:`~lowcomm.compress.codec.Codec.aggregation`).
     """
-
-    aggregation: ClassVar[str] = "all_reduce"
 
     @abstractmethod
     def compress(
@@ -34,7 +36,8 @@ class Compressor(ABC):
         """``segments``: sizes of the tensors fused in ``tensor`` (one per parameter)."""
 
     @abstractmethod
-    def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor: ...
+    def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """The flat tensor one payload stands for (``ctx`` from :meth:`compress`)."""
 
     def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
         """Mean of all workers' decoded payloads (all-gather kind). Default: decode each."""
@@ -49,6 +52,7 @@ class Compressor(ABC):
 
 
 def payload_spec(payload: Sequence[torch.Tensor]) -> PayloadSpec:
+    """(dtype, numel) per part: all :func:`unpack_payload` needs, computable on every rank."""
     return [(t.dtype, t.numel()) for t in payload]
 
 

@@ -21,9 +21,7 @@ from lowcomm.compress.feedback import poison_
 
 
 class CastCompressor(Compressor):
-    """The cast as a plain :class:`Compressor` (payload math only)."""
-
-    aggregation = "all_reduce"
+    """The cast as a plain :class:`Compressor` (payload math only; the profiler times it)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -31,12 +29,15 @@ class CastCompressor(Compressor):
     def compress(
         self, tensor: torch.Tensor, segments: Sequence[int] | None = None
     ) -> tuple[list[torch.Tensor], Any]:
+        """The tensor in the wire dtype (the original dtype is the decode's context)."""
         return [tensor.to(self.dtype)], tensor.dtype
 
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """Back to the original dtype."""
         return payload[0].to(ctx)
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
+        """``numel`` times the wire dtype's size."""
         return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -55,6 +56,7 @@ class CastCodec(Codec):
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
                pad_to: int = 1) -> Message:
+        """``flat / P`` in the wire dtype, zero-padded to ``pad_to``, poisoned if not finite."""
         n = flat.numel()
         padded = -(-n // pad_to) * pad_to
         buf = torch.zeros(padded, dtype=self.dtype, device=flat.device)
@@ -63,10 +65,12 @@ class CastCodec(Codec):
         return Message(buf, "all_reduce", ctx=flat.dtype, numel=n)
 
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """The sum of ``flat / P`` is the mean: cast back (any matching slice works too)."""
         out.copy_(received[: out.numel()])
 
     def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
              step: int | None = None) -> CodecCost:
+        """One all-reduce of ``n`` elements in the wire dtype (2 bytes each)."""
         n = sum(math.prod(s) for s in shapes)
         size = torch.empty((), dtype=self.dtype).element_size()
         return CodecCost(Work(elementwise=n), [Round("all_reduce", n * size, Work(elementwise=n))])
@@ -74,6 +78,8 @@ class CastCodec(Codec):
 
 @register_codec
 class FP16Codec(CastCodec):
+    """IEEE half precision: 5 exponent bits (needs loss scaling for small gradients)."""
+
     name = "fp16"
     summary = "fp16 all-reduce (2 bytes per element)"
     caveat = "fp16 gradients can overflow/underflow without loss scaling; usually accuracy-neutral."
@@ -82,6 +88,8 @@ class FP16Codec(CastCodec):
 
 @register_codec
 class BF16Codec(CastCodec):
+    """bfloat16: fp32's exponent range, 8 bits of mantissa."""
+
     name = "bf16"
     summary = "bf16 all-reduce (2 bytes per element)"
     caveat = "bf16 keeps fp32's range but only 8 bits of mantissa; usually accuracy-neutral."

@@ -37,9 +37,7 @@ Conventions every codec follows (the transports rely on them):
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
-import pkgutil
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -155,6 +153,9 @@ class Round:
     nbytes: int
     then: Work = field(default_factory=Work)
     blocking: bool = False
+    #: bytes received in a ``p2p`` round, for timing (None: ``nbytes``); a receive-only
+    #: round sends nothing but still waits for the peer's payload
+    recv_nbytes: int | None = None
 
 
 @dataclass
@@ -196,9 +197,12 @@ class Codec(ABC):
     #: a later message needs the aggregate of an earlier one in the same step
     multi_round: ClassVar[bool] = False
 
-    def __init__(self, options: Any = None, *, world: int = 1) -> None:
+    def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
         self.options = options if options is not None else self.Options()
         self.world = int(world)
+        #: this worker's rank in the process group (codecs with ``p2p`` messages address
+        #: their peers relative to it)
+        self.rank = int(rank)
         self.step = 0
 
     # --- life cycle ---------------------------------------------------------------------
@@ -266,24 +270,9 @@ class Codec(ABC):
         return {"compress": self.name, "options": dataclasses.asdict(self.options), "compress_step": self.step}
 
 
-def _codec_modules() -> list[str]:
-    """Every module of :mod:`lowcomm.compress`: each compressor registers itself there."""
-    package = importlib.import_module("lowcomm.compress")
-    return [f"lowcomm.compress.{m.name}" for m in pkgutil.iter_modules(package.__path__)
-            if not m.name.startswith("_")]
-
-
-class _CodecRegistry(Registry[Codec]):
-    """:class:`~lowcomm.registry.Registry` that finds its modules by listing the package."""
-
-    def _ensure_loaded(self) -> None:
-        if not self._loaded:
-            self.modules = _codec_modules()
-        super()._ensure_loaded()
-
-
 #: name -> codec class (``CODECS.get("topk")``); filled by the modules of ``lowcomm.compress``
-CODECS: Registry[Codec] = _CodecRegistry("compressor")
+#: (every public module of the package is imported on first look-up)
+CODECS: Registry[Codec] = Registry("compressor", package="lowcomm.compress")
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:

@@ -27,7 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from lowcomm.compress.base import Compressor
-from lowcomm.compress.lowrank import orthogonalize
+from lowcomm.compress.codec import Layout
 
 
 def finite_flag(t: torch.Tensor) -> torch.Tensor:
@@ -67,6 +67,8 @@ def orthogonalize_if(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     """``orthogonalize(x)`` if the 0-dim flag ``finite`` holds, else ``x`` itself (non-finite,
     so the poison travels on). Branch-free: the QR always runs, on zeros when ``x`` is not
     finite, because what a LAPACK/cuSOLVER QR does with NaNs is not something to rely on."""
+    from lowcomm.compress.lowrank import orthogonalize  # (lowrank imports this module)
+
     safe = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
     return torch.where(finite, orthogonalize(safe), x)
 
@@ -95,9 +97,11 @@ class StepFlags:
         self._finite: list[torch.Tensor] = []
 
     def clear(self) -> None:
+        """Forget the flags of the previous step."""
         self._finite = []
 
     def note(self, finite: torch.Tensor) -> None:
+        """Add one bucket's (or group's) flag."""
         self._finite.append(finite)
 
     def nonfinite(self) -> torch.Tensor | None:
@@ -109,7 +113,10 @@ class StepFlags:
 
 
 class ParamStore:
-    """Per-parameter tensors addressed through bucket layouts ``(names, sizes)``."""
+    """Per-parameter tensors addressed through bucket layouts ``(names, sizes)``.
+
+    Why per name: DDP rebuilds its buckets after the first step, the engine regroups, and a
+    resume starts from the initial layout; state keyed by name survives all three."""
 
     def __init__(self) -> None:
         self._flats: dict[tuple[str, ...], tuple[list[int], torch.Tensor]] = {}
@@ -140,6 +147,7 @@ class ParamStore:
             self._pieces[name] = piece.clone()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """One CPU tensor per parameter name (independent of any layout)."""
         out = {n: t.detach().cpu().clone() for n, t in self._pieces.items()}
         for key, (sizes, flat) in self._flats.items():
             for name, piece in zip(key, flat.split(sizes)):
@@ -147,62 +155,56 @@ class ParamStore:
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict`; the pieces are joined into flats on first use."""
         self._flats.clear()
         self._pieces = {n: t.detach().clone() for n, t in state.items()}
 
     def names(self) -> set[str]:
+        """Every parameter name that has state."""
         return set(self._pieces) | {n for key in self._flats for n in key}
 
 
-class CompressorWrapper(Compressor):
-    """Per-parameter memory around an inner compressor, whose payload format it keeps:
-    decoding, aggregation and byte counts are the inner compressor's."""
+class Direct:
+    """No state: compress the input as it is (the wrappers' common interface, so a codec
+    calls ``encoder.compress(flat, layout, finite)`` whichever of the three it holds)."""
 
     def __init__(self, inner: Compressor, *, store: ParamStore | None = None) -> None:
         self.inner = inner
-        self.aggregation = inner.aggregation  # type: ignore[misc]
         self.memory = store if store is not None else ParamStore()
 
+    def compress(self, flat: torch.Tensor, layout: Layout,
+                 finite: torch.Tensor | None = None) -> tuple[list[torch.Tensor], Any]:
+        """The inner compressor's payload of ``flat`` (per tensor of ``layout``)."""
+        return self.inner.compress(flat, layout.sizes)
+
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """The payload format is the inner compressor's: so is its decode."""
         return self.inner.decompress(payload, ctx)
 
-    def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
-        return self.inner.aggregate(payloads, ctx)
 
-    def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
-        return self.inner.payload_bytes(numel, dtype, num_tensors)
-
-
-class ErrorFeedback(CompressorWrapper):
+class ErrorFeedback(Direct):
     """Residual memory around any compressor: send ``C(g + e)``, keep ``e <- g + e - D(C(.))``.
 
     The memory update uses the *local* reconstruction, which is what EF-SignSGD and top-k
-    with residuals prescribe. Methods whose memory depends on the aggregate (PowerSGD) use
-    :attr:`memory` directly. A non-finite input leaves the memory unchanged (branch-free).
+    with residuals prescribe. Codecs whose memory depends on the aggregate (PowerSGD,
+    gTop-k) use a :class:`ParamStore` directly. A non-finite input leaves the memory
+    unchanged (branch-free); the memory is finite by construction, so ``g + e`` is finite
+    iff ``g`` is.
     """
 
-    def compress(
-        self,
-        tensor: torch.Tensor,
-        segments: Sequence[int] | None = None,
-        *,
-        names: Sequence[str] = ("_",),
-        finite: torch.Tensor | None = None,
-    ) -> tuple[list[torch.Tensor], Any]:
-        """``finite``: the caller's :func:`finite_flag` of ``tensor`` (computed if None).
-        The memory is finite by construction, so ``tensor + memory`` is finite iff
-        ``tensor`` is."""
-        sizes = list(segments) if segments else [tensor.numel()]
-        mem = self.memory.get(names, sizes, tensor)
-        comp = tensor + mem
+    def compress(self, flat: torch.Tensor, layout: Layout,
+                 finite: torch.Tensor | None = None) -> tuple[list[torch.Tensor], Any]:
+        """``finite``: the caller's :func:`finite_flag` of ``flat`` (computed if None)."""
+        mem = self.memory.get(layout.names, layout.sizes, flat)
+        comp = flat + mem
         if finite is None:
-            finite = finite_flag(tensor)
-        payload, ctx = self.inner.compress(comp, segments)
+            finite = finite_flag(flat)
+        payload, ctx = self.inner.compress(comp, layout.sizes)
         keep_where_(mem, finite, comp - self.inner.decompress(payload, ctx))
         return payload, ctx
 
 
-class Momentum(CompressorWrapper):
+class Momentum(Direct):
     """Compress the momentum ``m <- beta*m + (1-beta)*g`` instead of ``g`` (Signum).
 
     A non-finite ``g`` leaves ``m`` unchanged (branch-free); the payload is then built from
@@ -213,20 +215,13 @@ class Momentum(CompressorWrapper):
         super().__init__(inner, store=store)
         self.beta = beta
 
-    def compress(
-        self,
-        tensor: torch.Tensor,
-        segments: Sequence[int] | None = None,
-        *,
-        names: Sequence[str] = ("_",),
-        finite: torch.Tensor | None = None,
-    ) -> tuple[list[torch.Tensor], Any]:
-        """``finite``: the caller's :func:`finite_flag` of ``tensor`` (computed if None)."""
-        sizes = list(segments) if segments else [tensor.numel()]
-        mom = self.memory.get(names, sizes, tensor)
+    def compress(self, flat: torch.Tensor, layout: Layout,
+                 finite: torch.Tensor | None = None) -> tuple[list[torch.Tensor], Any]:
+        """``finite``: the caller's :func:`finite_flag` of ``flat`` (computed if None)."""
+        mom = self.memory.get(layout.names, layout.sizes, flat)
         if finite is None:
-            finite = finite_flag(tensor)
+            finite = finite_flag(flat)
         new = mom * self.beta
-        new.add_(tensor, alpha=1.0 - self.beta)
+        new.add_(flat, alpha=1.0 - self.beta)
         keep_where_(mom, finite, new)
-        return self.inner.compress(new, segments)
+        return self.inner.compress(new, layout.sizes)

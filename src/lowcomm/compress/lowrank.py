@@ -1,16 +1,48 @@
-"""Low-rank (PowerSGD / ACP-SGD) tensor math: matrix views, batching, orthogonalization.
+"""Low-rank codecs: ``powersgd`` (two all-reduces, P then Q) and ``acpsgd`` (one, alternating).
 
-Pure functions; the comm hooks decide which factor is all-reduced when.
+The one low-rank implementation, carried by the DDP hooks and the scheduling engine alike.
+Per fused buffer (a DDP bucket or an engine group): tensors that :func:`should_compress`
+accepts are viewed as ``n x m`` matrices and batched by ``(n, m, r)`` (same-shape matrices go
+through one ``bmm``; groups of large matrices stay a list of views instead of being stacked,
+so the gradient is not copied: the product is bandwidth-bound anyway); the rest (1-D tensors,
+small matrices) travel uncompressed in the *same* message, ahead of the factors.
+Error-feedback memory and factors are kept per parameter name
+(:class:`~lowcomm.compress.feedback.ParamStore`, dicts), so DDP's bucket rebuild, the
+engine's regrouping and a resume with another layout keep them. Initial factors are seeded
+per parameter (:func:`factor_seed` of the parameter's position in
+``model.named_parameters()``): identical on every rank without a broadcast.
+
+* ``powersgd`` (Vogels et al. 2019): ``P = M Q`` summed (with the uncompressed tensors),
+  orthogonalized, ``Q = M^T P`` summed; mean ``= P Q_sum^T / W``. Memory uses the aggregate
+  (``e <- M - P Q_sum^T / W``, as the paper and PyTorch's hook). ``warm_start`` keeps the
+  summed Q for the next step (off: a fresh seeded Q every step). Two dependent messages:
+  ``multi_round``.
+* ``acpsgd`` (Zhang et al., ICDCS'23): one message per step, alternating by
+  ``(step - start_iter) % 2``. P-steps send ``P = M orth(Q_last)``, Q-steps
+  ``Q = M^T orth(P_last)`` where ``*_last`` is the last aggregated factor (always a warm
+  start). Memory is local (``e <- M - P Q^T`` with the local factor), so the message is
+  sum-compatible and may be reduce-scattered (DeAR).
+
+NaN/Inf without host syncs: the message of a non-finite input is poisoned, memory and
+factor updates are ``torch.where`` selections, a non-finite aggregate is never
+orthogonalized (:func:`~lowcomm.compress.feedback.orthogonalize_if`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 import torch
 
+from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
+from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, orthogonalize_if, poison_
+from lowcomm.compress.options import check_min_rate, check_rank, check_start
 
+
+# --- tensor helpers ----------------------------------------------------------------------------
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     """View an n-d gradient as ``shape[0] x prod(shape[1:])`` (as PowerSGD does)."""
     return int(shape[0]), int(math.prod(shape[1:]))
@@ -26,6 +58,7 @@ def should_compress(shape: Sequence[int], rank: int, min_compression_rate: float
 
 
 def effective_rank(shape: Sequence[int], rank: int) -> int:
+    """The rank clipped to the matrix's smaller side."""
     n, m = matrix_shape(shape)
     return min(rank, n, m)
 
@@ -52,3 +85,349 @@ def seeded_normal(shape: Sequence[int], seed: int, *, dtype: torch.dtype, device
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
     return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+#: same-shape groups up to this many elements per matrix are stacked (one ``bmm``)
+STACK_MAX_NUMEL = 1 << 16
+
+#: a batch of same-shape matrices: one stacked ``(b, n, m)`` tensor or a list of views
+Batched = Union[torch.Tensor, list[torch.Tensor]]
+
+
+def batched_mm(ms: Batched, f: torch.Tensor, *, transpose: bool = False) -> torch.Tensor:
+    """``M @ f`` (or ``M^T @ f``) for a batch -> ``(b, n or m, r)``."""
+    if isinstance(ms, torch.Tensor):
+        return torch.bmm(ms.transpose(1, 2) if transpose else ms, f)
+    return torch.stack([(m.T if transpose else m) @ f[k] for k, m in enumerate(ms)])
+
+
+def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``like``, in order."""
+    sizes = [t.numel() for t in like]
+    return [p.view_as(t) for p, t in zip(flat[: sum(sizes)].split(sizes), like)]
+
+
+# --- options and plans -------------------------------------------------------------------------
+@dataclass
+class LowRankOptions:
+    """acpsgd (and the base of powersgd's): rank, warm-up, memory, which tensors to compress
+    (``min_compression_rate``), and the seed of the initial factors."""
+
+    rank: int = 4
+    start_iter: int = 10
+    error_feedback: bool = True
+    min_compression_rate: float = 2.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_rank(self.rank)
+        check_start(self.start_iter)
+        check_min_rate(self.min_compression_rate)
+
+
+@dataclass
+class PowerSGDOptions(LowRankOptions):
+    """powersgd adds ``warm_start`` (keep the summed Q for the next step)."""
+
+    warm_start: bool = True
+
+
+@dataclass
+class Batch:
+    """Same-shape matrices of one buffer (processed with one ``bmm``)."""
+
+    n: int
+    m: int
+    r: int
+    members: list[int] = field(default_factory=list)  # positions among the compressed tensors
+
+
+@dataclass
+class Plan:
+    """Which tensors of a buffer are compressed, batched by shape."""
+
+    uncompressed: list[int]  # tensor positions in the buffer
+    compressed: list[int]
+    batches: list[Batch]
+
+    @classmethod
+    def of(cls, shapes: Sequence[Sequence[int]], rank: int, min_rate: float) -> Plan:
+        """The plan for a buffer fusing ``shapes``."""
+        ok = [should_compress(s, rank, min_rate) for s in shapes]
+        comp = [i for i, c in enumerate(ok) if c]
+        batches: dict[tuple[int, int, int], Batch] = {}
+        for j, i in enumerate(comp):
+            key = (*matrix_shape(shapes[i]), effective_rank(shapes[i], rank))
+            batches.setdefault(key, Batch(*key)).members.append(j)
+        return cls([i for i, c in enumerate(ok) if not c], comp, list(batches.values()))
+
+    def unc_numel(self, shapes: Sequence[Sequence[int]]) -> int:
+        """Elements travelling uncompressed."""
+        return sum(math.prod(shapes[i]) for i in self.uncompressed)
+
+    def factor_numel(self, p: bool) -> int:
+        """Elements of all P (``p``) or all Q factors."""
+        return sum(len(b.members) * (b.n if p else b.m) * b.r for b in self.batches)
+
+    def flops(self) -> float:
+        """``2 n m r`` summed over the compressed matrices (one product with a factor)."""
+        return float(sum(2 * len(b.members) * b.n * b.m * b.r for b in self.batches))
+
+
+@dataclass
+class _Step:
+    """What the decode of one buffer's message needs (the messages' ``ctx``, never sent)."""
+
+    layout: Layout
+    plan: Plan
+    unc: torch.Tensor  # this worker's uncompressed tensors, flat
+    mats: list[Batched]  # compensated M per batch
+    mem: list[torch.Tensor]  # per compressed tensor: memory views (empty without EF)
+    finite: torch.Tensor
+    sent: list[torch.Tensor] = field(default_factory=list)  # the factors sent (shapes)
+    fixed: list[torch.Tensor] = field(default_factory=list)  # the factor not sent
+    start: list[torch.Tensor] = field(default_factory=list)  # table factors this step began from
+    p_step: bool = True
+    unc_sum: torch.Tensor | None = None  # PowerSGD: kept from the P message
+    p_ok: torch.Tensor | None = None
+
+
+class LowRankCodec(Codec):
+    """Shared plan, factor tables, inputs, writes and state of the two low-rank codecs."""
+
+    Options = LowRankOptions
+    aggregation = Aggregation.SUM
+    stateful = True
+
+    def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
+        super().__init__(options, world=world, rank=rank)
+        self.store = ParamStore()
+        self.p: dict[str, torch.Tensor] = {}
+        self.q: dict[str, torch.Tensor] = {}
+        self._plans: dict[tuple[str, ...], Plan] = {}
+
+    def plan(self, layout: Layout) -> Plan:
+        """The (cached) plan of a buffer layout."""
+        hit = self._plans.get(layout.names)
+        if hit is None:
+            hit = self._plans[layout.names] = Plan.of(layout.shapes, self.options.rank, self.options.min_compression_rate)
+        return hit
+
+    def factors(self, table: Mapping[str, torch.Tensor], layout: Layout, plan: Plan, b: Batch, p: bool,
+                like: torch.Tensor, salt: int | None = None) -> torch.Tensor:
+        """Stacked table factors of batch ``b`` (P: ``n x r``, Q: ``m x r``), seeded where missing."""
+        rows, out = (b.n if p else b.m), []
+        for j in b.members:
+            i = plan.compressed[j]
+            t = table.get(layout.names[i])
+            if t is None or t.shape != (rows, b.r):
+                s = factor_seed(self.options.seed, layout.index[i], int(p) if salt is None else salt)
+                t = seeded_normal((rows, b.r), s, dtype=like.dtype, device=like.device)
+            out.append(t.to(dtype=like.dtype, device=like.device))
+        return torch.stack(out)
+
+    def store_factors(self, table: dict[str, torch.Tensor], st: _Step, new: list[torch.Tensor],
+                      ok: torch.Tensor) -> None:
+        """``table[name] <- new`` where ``ok``, else the factor this step began from."""
+        for b, f, old in zip(st.plan.batches, new, st.start):
+            for k, j in enumerate(b.members):
+                table[st.layout.names[st.plan.compressed[j]]] = torch.where(ok, f[k], old[k])
+
+    def inputs(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> _Step:
+        """Compensate the matrices in place in ``flat`` (``M = g + e``); copy the rest."""
+        plan = self.plan(layout)
+        views = flat.split(layout.sizes)
+        unc = torch.cat([views[i].reshape(-1) for i in plan.uncompressed]) if plan.uncompressed else flat.new_zeros(0)
+        mem: list[torch.Tensor] = []
+        if self.options.error_feedback and plan.compressed:
+            csizes = [layout.sizes[i] for i in plan.compressed]
+            mem = list(self.store.get([layout.names[i] for i in plan.compressed], csizes, flat).split(csizes))
+            for j, i in enumerate(plan.compressed):
+                views[i].view(-1).add_(mem[j])
+        mats: list[Batched] = []
+        for b in plan.batches:
+            ms = [views[plan.compressed[j]].view(b.n, b.m) for j in b.members]
+            mats.append(ms[0].unsqueeze(0) if len(ms) == 1 else torch.stack(ms) if b.n * b.m <= STACK_MAX_NUMEL else ms)
+        return _Step(layout, plan, unc, mats, mem, finite)
+
+    def message(self, st: _Step, factors: list[torch.Tensor], *, name: str, final: bool, pad_to: int = 1,
+                with_unc: bool = True) -> Message:
+        """One buffer ``[uncompressed, factors...]`` (zero-padded to ``pad_to``), poisoned if
+        this worker's input was not finite; ``st.sent`` becomes the factors."""
+        parts = ([st.unc] if with_unc else []) + [f.reshape(-1) for f in factors]
+        numel = sum(t.numel() for t in parts)
+        buf = st.unc.new_zeros(-(-numel // pad_to) * pad_to)
+        if numel:
+            torch.cat(parts, out=buf[:numel])
+        st.sent = factors
+        return Message(poison_(buf, st.finite), "all_reduce", final=final, name=name, ctx=st, numel=numel)
+
+    def write(self, out: torch.Tensor, st: _Step, unc_sum: torch.Tensor, left: list[torch.Tensor],
+              right: list[torch.Tensor], residual: list[torch.Tensor] | None = None) -> None:
+        """``out`` <- the mean: uncompressed sums / W, matrices ``left @ right^T / W`` written
+        in place (the 1/W goes on the small left factor). With ``residual``, first store
+        ``M - left @ right^T / W`` there (``M`` may alias ``out``, hence the order)."""
+        views = out.split(st.layout.sizes)
+        for b, a, c, ms in zip(st.plan.batches, left, right, st.mats):
+            a = a / self.world
+            for k, j in enumerate(b.members):
+                target = views[st.plan.compressed[j]].view(b.n, b.m)
+                if residual is not None:
+                    torch.addmm(ms[k], a[k], c[k].T, alpha=-1.0, out=residual[j].view(b.n, b.m))
+                torch.mm(a[k], c[k].T, out=target)
+        off = 0
+        for i in st.plan.uncompressed:
+            views[i].view(-1).copy_(unc_sum[off : off + st.layout.sizes[i]]).div_(self.world)
+            off += st.layout.sizes[i]
+
+    def decode_uncompressed(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """A buffer without compressible matrices: the summed tensors / W."""
+        self.write(out, msg.ctx, received[: msg.numel], [], [])
+
+    def cost_of(self, shapes: Sequence[Sequence[int]], p_factors: Sequence[bool], dtype_bytes: int) -> CodecCost:
+        """Bytes of messages carrying the uncompressed tensors, then the factors named (P:
+        True); the work of :meth:`encode`, of each :meth:`advance` and of :meth:`decode`."""
+        plan = Plan.of(shapes, self.options.rank, self.options.min_compression_rate)
+        unc = plan.unc_numel(shapes)
+        if not plan.batches:
+            return CodecCost(Work(), [Round("all_reduce", unc * dtype_bytes)])
+        dense, flops = sum(math.prod(s) for s in shapes) - unc, plan.flops()
+        rounds = [Round("all_reduce", (plan.factor_numel(p) + (unc if i == 0 else 0)) * dtype_bytes,
+                        Work(orthogonalize=plan.factor_numel(p), matmul_flops=flops), blocking=True)
+                  for i, p in enumerate(p_factors)]
+        rounds[-1].then, rounds[-1].blocking = self.decode_work(dense, flops), False
+        return CodecCost(self.encode_work(plan, dense, flops, p_factors[0]), rounds)
+
+    def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
+        """Compensate the matrices and multiply by the starting factor."""
+        return Work(elementwise=dense, matmul_flops=flops)
+
+    def decode_work(self, dense: int, flops: float) -> Work:
+        """Rebuild the matrices from the two factors."""
+        return Work(matmul_flops=flops, elementwise=dense)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, error-feedback ``memory`` and the factor tables ``p`` / ``q`` (per name)."""
+        return {**super().state_dict(), "memory": self.store.state_dict(),
+                "p": {k: v.detach().cpu().clone() for k, v in self.p.items()},
+                "q": {k: v.detach().cpu().clone() for k, v in self.q.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        super().load_state_dict(state)
+        self.store.load_state_dict(dict(state.get("memory", {})))
+        self.p = {k: v.clone() for k, v in state.get("p", {}).items()}
+        self.q = {k: v.clone() for k, v in state.get("q", {}).items()}
+
+
+@register_codec
+class PowerSGDCodec(LowRankCodec):
+    """PowerSGD: ``[uncompressed, P]`` summed, orthogonalized; ``Q`` summed; memory from the
+    aggregate; warm start optional."""
+
+    name = "powersgd"
+    summary = "PowerSGD: rank-r P then Q, two dependent all-reduces, error feedback"
+    caveat = ("lossy: needs error feedback (on by default) and a few full-precision warm-up steps "
+              "(start_iter); too small a rank can cost accuracy.")
+    Options = PowerSGDOptions
+    multi_round = True
+
+    def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *, pad_to: int = 1) -> Message:
+        """``[uncompressed, P = M Q]`` (final only when nothing is compressible)."""
+        st = self.inputs(flat, layout, finite)
+        if not st.plan.batches:
+            return self.message(st, [], name="unc", final=True, pad_to=pad_to)
+        warm = self.options.warm_start
+        table = self.q if warm else {}
+        salt = None if warm else 2 * (self.step + 1) * 1_000_003
+        st.start = [self.factors(table, layout, st.plan, b, False, flat, salt) for b in st.plan.batches]
+        return self.message(st, [batched_mm(m, q) for m, q in zip(st.mats, st.start)], name="P", final=False)
+
+    def advance(self, msg: Message, received: torch.Tensor) -> Message:
+        """From the summed P: ``Q = M^T orth(P)``."""
+        st: _Step = msg.ctx
+        unc = st.unc.numel()
+        st.unc_sum, st.p_ok = received[:unc], finite_flag(received[: msg.numel])
+        st.fixed = [orthogonalize_if(p, st.p_ok) for p in unflatten(received[unc : msg.numel], st.sent)]
+        qs = [batched_mm(m, p, transpose=True) for m, p in zip(st.mats, st.fixed)]
+        return self.message(st, qs, name="Q", final=True, with_unc=False)
+
+    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """``P Q_sum^T / W``; memory ``M - that`` and the warm-start Q where all was finite."""
+        st: _Step = msg.ctx
+        if st.unc_sum is None:
+            return self.decode_uncompressed(msg, received, out)
+        q_sum = unflatten(received[: msg.numel], st.sent)
+        ok = (st.p_ok if st.p_ok is not None else st.finite) & finite_flag(received[: msg.numel])
+        residual = [torch.empty_like(v) for v in st.mem] if st.mem else None
+        self.write(out, st, st.unc_sum, st.fixed, q_sum, residual)
+        for mem, new in zip(st.mem, residual or []):
+            keep_where_(mem, ok, new)
+        if self.options.warm_start:
+            self.store_factors(self.q, st, q_sum, ok)
+
+    def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
+             step: int | None = None) -> CodecCost:
+        """``4 (U + sum n_i r_i)`` then ``4 sum m_i r_i`` bytes (U: uncompressed elements)."""
+        return self.cost_of(shapes, [True, False], dtype_bytes)
+
+
+@register_codec
+class ACPSGDCodec(LowRankCodec):
+    """ACP-SGD: one message per step, P- and Q-steps alternating; local memory."""
+
+    name = "acpsgd"
+    summary = "ACP-SGD: rank-r P or Q alternately, one all-reduce per step, error feedback"
+    caveat = ("lossy like Power-SGD: needs error feedback and warm-up steps; alternating P/Q converges "
+              "slightly differently, check the rank on your task.")
+
+    def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
+        """Orthogonalize the fixed factor, multiply, and the local residual (a second product)."""
+        return Work(orthogonalize=plan.factor_numel(not p), matmul_flops=2 * flops, elementwise=2 * dense)
+
+    def decode_work(self, dense: int, flops: float) -> Work:
+        """Rebuild the matrices from the summed and the fixed factor."""
+        return Work(matmul_flops=flops)
+
+    def p_step(self, step: int) -> bool:
+        """Whether ``step`` (the codec's step counter) sends P."""
+        return (step - self.start_iter) % 2 == 0
+
+    def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *, pad_to: int = 1) -> Message:
+        """P-step: ``[uncompressed, M orth(Q_last)]``; Q-step: ``[uncompressed, M^T orth(P_last)]``."""
+        st = self.inputs(flat, layout, finite)
+        if not st.plan.batches:
+            return self.message(st, [], name="unc", final=True, pad_to=pad_to)
+        p = st.p_step = self.p_step(self.step)
+        fixed_table, sent_table = (self.q, self.p) if p else (self.p, self.q)
+        st.fixed = [orthogonalize(self.factors(fixed_table, layout, st.plan, b, not p, flat)) for b in st.plan.batches]
+        st.start = [self.factors(sent_table, layout, st.plan, b, p, flat) for b in st.plan.batches]
+        sent = [batched_mm(m, f, transpose=not p) for m, f in zip(st.mats, st.fixed)]
+        if st.mem:  # local error feedback: e <- M - P Q^T (local factors), if finite
+            for b, s, f, ms in zip(st.plan.batches, sent, st.fixed, st.mats):
+                left, right = (s, f) if p else (f, s)
+                for k, j in enumerate(b.members):
+                    keep_where_(st.mem[j].view(b.n, b.m), finite, torch.addmm(ms[k], left[k], right[k].T, alpha=-1.0))
+        return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
+
+    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """``P_sum Q^T / W`` (or ``P Q_sum^T / W``); the summed factor kept where finite."""
+        st: _Step = msg.ctx
+        if not st.plan.batches:
+            return self.decode_uncompressed(msg, received, out)
+        unc = st.unc.numel()
+        summed = unflatten(received[unc : msg.numel], st.sent)
+        left, right = (summed, st.fixed) if st.p_step else (st.fixed, summed)
+        self.write(out, st, received[:unc], left, right)
+        self.store_factors(self.p if st.p_step else self.q, st, summed, finite_flag(received[: msg.numel]))
+
+    def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
+             step: int | None = None) -> CodecCost:
+        """``4 (U + sum n_i r_i)`` on P-steps, ``4 (U + sum m_i r_i)`` on Q-steps; ``step=None``:
+        the mean of the two (bytes rounded down)."""
+        if step is not None:
+            return self.cost_of(shapes, [self.p_step(step)], dtype_bytes)
+        p, q = self.cost_of(shapes, [True], dtype_bytes), self.cost_of(shapes, [False], dtype_bytes)
+        for rp, rq in zip(p.rounds, q.rounds):
+            rp.nbytes = (rp.nbytes + rq.nbytes) // 2
+        return p

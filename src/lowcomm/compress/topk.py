@@ -12,18 +12,25 @@ so the result does not depend on DDP's bucket layout: changing ``bucket_cap_mb``
 bucket rebuild after the first iteration, or a resume with the initial layout all select
 the same entries. The payload of a whole bucket still travels in one collective.
 
-Sparse payloads are not sum-compatible (indices differ between workers), so top-k is an
-all-gather-kind compressor: every worker scatter-adds everyone's values.
+Sparse payloads are not sum-compatible (indices differ between workers), so top-k is a
+gathered codec: every worker scatter-adds everyone's values. gTop-k
+(:mod:`lowcomm.compress.gtopk`) shares the selection, its seeding and the memory.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lowcomm.compress.base import Compressor
+from lowcomm.compress.codec import Layout, Work, register_codec
+
+from lowcomm.compress.gathered import PayloadCodec
+from lowcomm.compress.options import check_density, check_start
 
 
 def num_selected(numel: int, density: float) -> int:
@@ -103,14 +110,13 @@ def fast_topk_indices(
 class TopK(Compressor):
     """Keep ``density`` of the entries by magnitude; payload = values + int32 indices."""
 
-    aggregation = "all_gather"
-
     def __init__(self, density: float, *, fast_select: bool = False) -> None:
         self.density = density
         self.fast_select = fast_select
         self.generator: torch.Generator | None = None  # set per step by the hook when fast
 
     def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices of the k largest ``|x|`` (fast or exact, see the module docstring)."""
         if self.fast_select:
             return fast_topk_indices(x, k, generator=self.generator)
         return topk_indices(x, k)
@@ -127,16 +133,19 @@ class TopK(Compressor):
     def compress(
         self, tensor: torch.Tensor, segments: Sequence[int] | None = None
     ) -> tuple[list[torch.Tensor], Any]:
+        """The selected values and their int32 indices (per segment, concatenated)."""
         flat = tensor.reshape(-1)
         idx = self.select_segments(flat, segments)
         return [flat[idx], idx.to(torch.int32)], (flat.numel(), flat.dtype)
 
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """The dense tensor with the sent values at their indices."""
         numel, dtype = ctx
         out = torch.zeros(numel, dtype=dtype, device=payload[0].device)
         return out.index_add_(0, payload[1].long(), payload[0].to(dtype))
 
     def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        """Scatter-add every worker's values, divide by the number of workers."""
         numel, dtype = ctx
         vals = torch.cat([p[0] for p in payloads]).to(dtype)
         idx = torch.cat([p[1] for p in payloads]).long()
@@ -182,3 +191,61 @@ def merge_sparse_segments(
         vals.append(v)
         idx.append(i)
     return torch.cat(vals), torch.cat(idx)
+
+
+@dataclass
+class TopKOptions:
+    """topk / gtopk: ``density`` kept per tensor, warm-up, residual memory, fast selection
+    (seeded by ``seed``: the same sample on every rank and after a resume)."""
+
+    density: float = 0.01
+    start_iter: int = 10
+    error_feedback: bool = True
+    fast_select: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_density(self.density)
+        check_start(self.start_iter)
+
+
+@register_codec
+class TopKCodec(PayloadCodec):
+    """Top-k with residual memory; values + int32 indices all-gathered and scatter-added."""
+
+    name = "topk"
+    summary = "Top-k sparsification: k values + int32 indices per tensor, all-gathered"
+    caveat = "sparse: needs error feedback; very low density slows convergence; traffic grows with P (all-gather)."
+    Options = TopKOptions
+
+    def build(self) -> Compressor:
+        """Per-tensor top-k selection (fast or exact)."""
+        self.topk = TopK(self.options.density, fast_select=self.options.fast_select)
+        return self.topk
+
+    def prepare(self, layout: Layout) -> None:
+        """Fast selection samples with a generator seeded by (seed, step, first tensor):
+        the same on every rank, for every bucket layout, and after a resume."""
+        if self.options.fast_select:
+            g = torch.Generator(device="cpu")
+            first = layout.index[0] if layout.index else 0
+            g.manual_seed((self.options.seed * 1_000_003 + self.step * 10_007 + first) % (2**63))
+            self.topk.generator = g
+
+    def ks(self, shapes: Sequence[Sequence[int]]) -> list[int]:
+        """k of every tensor: ``max(1, ceil(density * n_i))``."""
+        return [num_selected(math.prod(s), self.options.density) for s in shapes]
+
+    def payload_bytes(self, shapes: Sequence[Sequence[int]], dtype_bytes: int) -> int:
+        """``sum_i k_i * (dtype_bytes + 4)`` (values and int32 indices)."""
+        return sum(self.ks(shapes)) * (dtype_bytes + 4)
+
+    def work(self, shapes: Sequence[Sequence[int]]) -> tuple[Work, Work]:
+        """Select over every element (plus the residual's add and subtraction); scatter-add
+        each payload's k values."""
+        n = sum(math.prod(s) for s in shapes)
+        return Work(elementwise=2 * n, topk=n), Work(scatter=sum(self.ks(shapes)))
+
+    def decode_once(self, shapes: Sequence[Sequence[int]]) -> Work:
+        """Zero-fill and divide the dense output once."""
+        return Work(elementwise=sum(math.prod(s) for s in shapes))

@@ -63,6 +63,7 @@ class DataBundle:
 
     @property
     def output_size(self) -> int:
+        """Width of the model's output layer: classes, or the vocabulary for language models."""
         size = self.num_classes if self.task == "classification" else self.vocab_size
         assert size is not None
         return size

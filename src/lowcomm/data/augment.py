@@ -55,6 +55,7 @@ class CropFlip:
         self.fill = list(fill) if fill is not None else None
 
     def __call__(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Augment a batch on its own device; ``generator`` makes the draws reproducible."""
         x = random_crop(x, padding=self.padding, fill=self.fill, generator=generator)
         return random_flip(x, generator=generator)
 
@@ -66,6 +67,7 @@ class Flip:
     """Random horizontal flip only."""
 
     def __call__(self, x: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Flip a batch on its own device; ``generator`` makes the draws reproducible."""
         return random_flip(x, generator=generator)
 
     def __repr__(self) -> str:

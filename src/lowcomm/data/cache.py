@@ -37,7 +37,7 @@ def load_or_create_npz(path: Path, make: Callable[[], dict[str, np.ndarray]]) ->
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, allow_pickle=False, **arrays)
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable
         os.replace(tmp, path)
     except BaseException:

@@ -60,8 +60,8 @@ class ImageFiles(Dataset):
         from PIL import Image
 
         path, label = self.samples[i]
-        with Image.open(path) as img:
-            img = img.convert("RGB")
+        with Image.open(path) as opened:
+            img = opened.convert("RGB")
             s = self.image_size
             short = round(s * 256 / 224)
             w, h = img.size

@@ -3,7 +3,7 @@
 ``factorize(model, rank_ratio=0.25, full_rank=None)`` rewrites Linear, Conv1d/2d, LSTM and
 multi-head attention layers into SVD-initialized low-rank factors (hybrid presets keep the
 paper's full-rank layers); :func:`summary` reports parameters, multiply-adds and gradient
-bytes before and after; the ``pufferfish`` method (``lowcomm.lowrank.method``) trains
+bytes before and after; the ``pufferfish`` method (``lowcomm.methods.pufferfish``) trains
 full-rank for a warm-up, then switches.
 """
 

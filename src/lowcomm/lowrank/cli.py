@@ -17,6 +17,7 @@ from lowcomm.errors import UsageError, check_fraction
 
 
 def register(subparsers: Any) -> None:
+    """Add ``lowcomm lowrank`` to the CLI."""
     p = subparsers.add_parser("lowrank", help="Pufferfish low-rank factorization tools")
     sub = p.add_subparsers(dest="lowrank_command", metavar="SUBCOMMAND")
     s = sub.add_parser("summary", help="parameters, multiply-adds and gradient bytes before/after")
@@ -47,6 +48,7 @@ def _parse_value(text: str) -> Any:
 
 
 def build_summary(model_name: str, rank_ratio: float, full_rank: str | None, model_args: dict[str, Any]) -> dict[str, Any]:
+    """The ``lowcomm lowrank summary`` numbers for a registered model (before and after factorizing)."""
     from lowcomm import models
     from lowcomm.lowrank.factorize import factorize
     from lowcomm.lowrank.summary import example_input, summary
@@ -75,6 +77,7 @@ def _fmt(n: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``lowcomm lowrank ...``: print the summary (or JSON)."""
     model_args = {}
     for item in args.model_arg:
         if "=" not in item:

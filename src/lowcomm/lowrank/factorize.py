@@ -21,7 +21,7 @@ import copy
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -35,6 +35,7 @@ LOWRANK_TYPES = (LowRankLinear, LowRankConv, LowRankLSTM, LowRankMultiheadAttent
 _PROJ = ("q", "k", "v", "out")
 
 RankSpec = Any  # int | list[list[int]] | dict[str, int | None]
+M = TypeVar("M", bound=nn.Module)
 
 
 @dataclass
@@ -46,55 +47,70 @@ class Candidate:
     kind: str  # "linear" | "conv" | "lstm" | "mha"
     blocks: int = 1
 
+    # --- the module as its kind's class (a mismatch is a bug in :func:`candidates`) --------
+    def _as(self, cls: type[M]) -> M:
+        if not isinstance(self.module, cls):
+            raise TypeError(f"{self.kind} candidate {self.name!r} holds a {type(self.module).__name__}")
+        return self.module
+
+    def _conv(self) -> nn.Conv1d | nn.Conv2d:
+        return self.module if isinstance(self.module, nn.Conv1d) else self._as(nn.Conv2d)
+
     # --- shapes ---------------------------------------------------------------------------
     def matrices(self) -> dict[str, list[torch.Tensor]]:
         """Dense matrices per rank slot (a slot shares one rank): used for stable ranks."""
-        m = self.module
         if self.kind == "linear":
-            return {"": list(m.weight.chunk(self.blocks))}  # type: ignore[union-attr]
+            return {"": list(self._as(nn.Linear).weight.chunk(self.blocks))}
         if self.kind == "conv":
-            w = m.weight  # type: ignore[union-attr]
+            w = self._conv().weight
             return {"": [w.reshape(w.shape[0], -1)]}
         if self.kind == "lstm":
+            lstm = self._as(nn.LSTM)
             out = {}
-            for layer in range(m.num_layers):  # type: ignore[union-attr]
+            for layer in range(lstm.num_layers):
                 for kind in ("ih", "hh"):
-                    out[f"{layer}.{kind}"] = list(getattr(m, f"weight_{kind}_l{layer}").chunk(4))
+                    out[f"{layer}.{kind}"] = list(getattr(lstm, f"weight_{kind}_l{layer}").chunk(4))
             return out
-        dense = LowRankMultiheadAttention.dense_projections(m)  # type: ignore[arg-type]
+        dense = LowRankMultiheadAttention.dense_projections(self._as(nn.MultiheadAttention))
         return {p: [dense[p].weight] for p in _PROJ}
 
     def slot_shape(self, slot: str) -> tuple[int, int]:
+        """``(rows, cols)`` of one dense matrix of ``slot``: bounds its rank and its savings."""
         if self.kind == "mha":  # kdim == vdim == embed_dim (others are not candidates)
-            e = int(self.module.embed_dim)  # type: ignore[union-attr]
+            e = self._as(nn.MultiheadAttention).embed_dim
             return e, e
         mat = self.matrices()[slot][0]
         return int(mat.shape[0]), int(mat.shape[1])
 
     def dense_params(self) -> int:
+        """Parameters of the dense layer (the summary's before column)."""
         return sum(p.numel() for p in self.module.parameters())
 
     # --- ranks ----------------------------------------------------------------------------
     def ratio_spec(self, ratio: float) -> RankSpec:
-        slots = {s: ratio_rank(*self.slot_shape(s), ratio) for s in self.matrices()}
+        """Rank spec with every slot at ``ratio`` of its full rank (Pufferfish's ``rank_ratio``)."""
+        slots: dict[str, int | None] = {s: ratio_rank(*self.slot_shape(s), ratio) for s in self.matrices()}
         return self.spec_from_slots(slots)
 
     def spec_from_slots(self, slots: dict[str, int | None]) -> RankSpec:
+        """The layer-kind's spec (int, per-layer pairs, per-projection dict) from per-slot ranks."""
         if self.kind in ("linear", "conv"):
             return slots[""]
         if self.kind == "lstm":
-            n = self.module.num_layers  # type: ignore[union-attr]
-            return [[slots[f"{l}.ih"], slots[f"{l}.hh"]] for l in range(n)]
+            n = self._as(nn.LSTM).num_layers
+            return [[slots[f"{layer}.ih"], slots[f"{layer}.hh"]] for layer in range(n)]
         return {p: slots[p] for p in _PROJ}
 
     def slots_from_spec(self, spec: RankSpec) -> dict[str, int | None]:
+        """Per-slot ranks from a layer-kind's spec (inverse of :meth:`spec_from_slots`)."""
         if self.kind in ("linear", "conv"):
             return {"": spec}
         if self.kind == "lstm":
-            return {f"{l}.{k}": pair[i] for l, pair in enumerate(spec) for i, k in enumerate(("ih", "hh"))}
+            return {f"{layer}.{k}": pair[i] for layer, pair in enumerate(spec) for i, k in enumerate(("ih", "hh"))}
         return {p: spec.get(p) for p in _PROJ}
 
     def check_spec(self, spec: RankSpec) -> None:
+        """Refuse a spec of the wrong form or a rank outside ``[1, full rank]``, naming the layer."""
         try:
             slots = self.slots_from_spec(spec)
             names = set(self.matrices())
@@ -126,27 +142,28 @@ class Candidate:
 
     # --- conversion -----------------------------------------------------------------------
     def build(self, spec: RankSpec, *, extra_bn: bool) -> nn.Module:
-        m = self.module
+        """The low-rank replacement of the layer at ``spec``, initialized by SVD."""
         if self.kind == "linear":
-            return LowRankLinear.from_dense(m, spec, blocks=self.blocks, extra_bn=extra_bn)  # type: ignore[arg-type]
+            return LowRankLinear.from_dense(self._as(nn.Linear), spec, blocks=self.blocks, extra_bn=extra_bn)
         if self.kind == "conv":
-            return LowRankConv.from_dense(m, spec, extra_bn=extra_bn)  # type: ignore[arg-type]
+            return LowRankConv.from_dense(self._conv(), spec, extra_bn=extra_bn)
         if self.kind == "lstm":
-            return LowRankLSTM(m, [tuple(p) for p in spec])  # type: ignore[arg-type]
-        dense = LowRankMultiheadAttention.dense_projections(m)  # type: ignore[arg-type]
+            return LowRankLSTM(self._as(nn.LSTM), [(int(a), int(b)) for a, b in spec])
+        m = self._as(nn.MultiheadAttention)
+        dense = LowRankMultiheadAttention.dense_projections(m)
         projs: dict[str, nn.Module] = {}
         for p in _PROJ:
             r = spec.get(p)
             projs[p] = dense[p] if r is None else LowRankLinear.from_dense(dense[p], r, extra_bn=extra_bn)
         new = LowRankMultiheadAttention(
-            embed_dim=m.embed_dim,  # type: ignore[union-attr]
-            num_heads=m.num_heads,  # type: ignore[union-attr]
+            embed_dim=m.embed_dim,
+            num_heads=m.num_heads,
             q_proj=projs["q"],
             k_proj=projs["k"],
             v_proj=projs["v"],
             out_proj=projs["out"],
-            dropout=m.dropout,  # type: ignore[union-attr]
-            batch_first=m.batch_first,  # type: ignore[union-attr]
+            dropout=m.dropout,
+            batch_first=m.batch_first,
         )
         new.train(m.training)
         return new
@@ -348,7 +365,7 @@ def factorize(
     if replaced_attention:
         for mod in model.modules():  # torch's nested-tensor fast path reads packed weights
             if hasattr(mod, "use_nested_tensor"):
-                mod.use_nested_tensor = False
+                mod.__dict__["use_nested_tensor"] = False  # a plain attribute (what nn.Module sets)
     return model
 
 

@@ -90,6 +90,7 @@ def get_preset(name: str | None) -> Preset | None:
 
 
 def require_preset(name: str) -> Preset:
+    """The preset of ``name``, or a UsageError listing the models that have one."""
     preset = get_preset(name)
     if preset is None:
         valid = ", ".join(sorted([*PRESETS, "vgg19"]))

@@ -61,6 +61,7 @@ def dense_equivalent_params(model: nn.Module) -> int:
 
 
 def dense_equivalent_grad_bytes(model: nn.Module) -> int:
+    """Gradient bytes the model would have unfactorized: what the factorization saves per all-reduce."""
     elem = next((p.element_size() for p in model.parameters()), 4)
     return grad_bytes(model) + (dense_equivalent_params(model) - count_params(model)) * elem
 
@@ -90,7 +91,7 @@ def count_macs(model: nn.Module, example: Any) -> tuple[int, int]:
         n = out.numel() // m.out_features * m.in_features * m.out_features
         add(n, n)
 
-    def conv_hook(m: nn.Module, _inp: Any, out: torch.Tensor) -> None:
+    def conv_hook(m: nn.Conv1d | nn.Conv2d, _inp: Any, out: torch.Tensor) -> None:
         if id(m) in owned:
             return
         per_out = m.weight[0].numel()  # in/groups * k...
@@ -105,7 +106,7 @@ def count_macs(model: nn.Module, example: Any) -> tuple[int, int]:
         k_in = m.v.weight[0].numel()
         add(pos * (m.rank * k_in + m.out_channels * m.rank), pos * m.out_channels * k_in)
 
-    def lstm_hook(m: nn.Module, inp: Any, out: Any) -> None:
+    def lstm_hook(m: nn.LSTM | LowRankLSTM, inp: Any, out: Any) -> None:
         x = inp[0]
         tokens = x.shape[0] * (x.shape[1] if x.dim() == 3 else 1)
         h = m.hidden_size
@@ -216,18 +217,17 @@ def summary(
     if factorized is not None:
         p_before, p_after = count_params(model), count_params(factorized)
         g_before, g_after = grad_bytes(model), grad_bytes(factorized)
+        m_before: int | None = None
+        m_after: int | None = None
         if example is not None:
             m_before = count_macs(model, example)[0]
             m_after = count_macs(factorized, example)[0]
-        else:
-            m_before = m_after = None
     else:
         p_before, p_after = dense_equivalent_params(model), count_params(model)
         g_before, g_after = dense_equivalent_grad_bytes(model), grad_bytes(model)
+        m_before = m_after = None
         if example is not None:
             m_after, m_before = count_macs(model, example)
-        else:
-            m_before = m_after = None
     ranks = factorized_ranks(after_model)
     return {
         "params": _entry(p_before, p_after),

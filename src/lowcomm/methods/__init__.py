@@ -1,32 +1,20 @@
 """The ``--method`` namespace: one registry for every method, whatever axis it changes.
 
-Use :func:`create` with a spec such as ``"acpsgd:rank=4"``. Method modules register
-themselves with :data:`METHODS`; the registry imports the built-in modules on first lookup.
+Use :func:`create` with a spec such as ``"acpsgd:rank=4"``. Every module of this package is
+imported on the first lookup and registers its methods with :func:`register`, so a new
+method is a new module here and nothing else lists it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from lowcomm.errors import UsageError
-from lowcomm.methods.base import Method, MethodContext, parse_options
+from lowcomm.methods.base import Method, MethodContext, parse_options, split_top_level
 from lowcomm.registry import Registry
 
-METHODS: Registry[Method] = Registry(
-    "method",
-    modules=[
-        "lowcomm.methods.ddp",
-        "lowcomm.methods.compression",
-        "lowcomm.sched.methods",
-        "lowcomm.lowrank.method",
-        "lowcomm.bench.fsdp_reference",  # torch_fsdp (FSDP2 shard-grad-op, timing reference)
-        "lowcomm.bench.reference",  # torch_powersgd, torch_fp16 (PyTorch's own hooks, for comparison)
-    ],
-)
-
-# Modules that register methods; each adds itself here.
-
-
+#: name -> method class; filled by the modules of :mod:`lowcomm.methods` (discovered, not listed)
+METHODS: Registry[Method] = Registry("method", package=__name__)
 
 
 def register(cls: type[Method]) -> type[Method]:
@@ -35,21 +23,38 @@ def register(cls: type[Method]) -> type[Method]:
     return cls
 
 
+def method_class(name: str) -> type[Method]:
+    """The class registered as ``name``: its ``Options`` and flags are read before building it."""
+    return cast("type[Method]", METHODS.get(name))
+
+
 def split_spec(spec: str) -> tuple[str, str]:
+    """``'topk:density=0.01'`` -> ``('topk', 'density=0.01')``: the name picks the class, the
+    rest is that class's options (parsed by :func:`create`)."""
     name, _, opts = spec.strip().partition(":")
     if not name:
         raise UsageError(f"empty method name in {spec!r}")
     return name.strip(), opts
 
 
+def _continues_options(part: str) -> bool:
+    """True for ``key=value`` (the text before the first ``:`` has a ``=``; a method name never
+    does), which belongs to the previous method's options, even when the value is itself a
+    spec (``then=acpsgd:rank=4``)."""
+    return "=" in part.partition(":")[0]
+
+
 def split_list(text: str) -> list[str]:
     """``'ssgd,topk:density=0.01,start_iter=2,fp16'`` -> ``['ssgd', 'topk:density=0.01,start_iter=2',
-    'fp16']``: a part with ``=`` but no ``:`` continues the previous method's options."""
+    'fp16']``: a ``key=value`` part continues the previous method's options.
+
+    Why: one ``--methods`` flag lists several methods with their options and no second
+    separator. Commas inside parentheses belong to a nested spec and do not split
+    (``pufferfish:then=(acpsgd:rank=4,start_iter=5),rank_ratio=0.25`` is one method).
+    """
     specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and ":" not in part and specs:
+    for part in split_top_level(text):
+        if specs and _continues_options(part):
             specs[-1] += "," + part
         else:
             specs.append(part)
@@ -59,19 +64,31 @@ def split_list(text: str) -> list[str]:
 def create(spec: str, **overrides: Any) -> Method:
     """Build a method from ``name[:key=value,...]``; keyword overrides win over the string."""
     name, opts = split_spec(spec)
-    cls = METHODS.get(name)
-    options = parse_options(name, cls.Options, opts)  # type: ignore[attr-defined]
+    cls = method_class(name)
+    options = parse_options(name, cls.Options, opts)
     for k, v in overrides.items():
         if not hasattr(options, k):
             raise UsageError(f"unknown option {k!r} for method {name!r}")
         setattr(options, k, v)
     if hasattr(options, "__post_init__"):
         options.__post_init__()
-    return cls(options)  # type: ignore[call-arg]
+    return cls(options)
 
 
 def names(include_timing_only: bool = False) -> list[str]:
-    return [n for n in METHODS.names() if include_timing_only or not METHODS.get(n).timing_only]  # type: ignore[attr-defined]
+    """Registered method names, sorted; timing-only references (``torch_fsdp``) are left out
+    unless asked for, because they cannot train to a checkpoint."""
+    return [n for n in METHODS.names() if include_timing_only or not method_class(n).timing_only]
 
 
-__all__ = ["METHODS", "Method", "MethodContext", "create", "names", "register", "split_list", "split_spec"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "MethodContext",
+    "create",
+    "method_class",
+    "names",
+    "register",
+    "split_list",
+    "split_spec",
+]

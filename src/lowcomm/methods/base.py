@@ -26,7 +26,9 @@ it; the one host read of that flag per step happens after backward (the trainer)
 per bucket inside backward. (Plain ``ssgd`` tracks nothing: only a GradScaler skips there.)
 
 Options are a dataclass per method; ``name:key=value,...`` strings are converted using the
-field types, and unknown keys are refused with the list of valid ones.
+field types, and unknown keys are refused with the list of valid ones. A value may itself be
+a method spec in parentheses (``pufferfish:then=(acpsgd:rank=4,start_iter=5)``): options are
+split on commas outside parentheses only (:func:`split_top_level`).
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lowcomm.errors import UsageError
+
+if TYPE_CHECKING:
+    from lowcomm.runtime.config import TrainConfig
 
 
 @dataclass
@@ -51,7 +56,7 @@ class MethodContext:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    process_group: Any = None
+    process_group: dist.ProcessGroup | None = None
     seed: int = 0
     bucket_cap_mb: float = 25.0
 
@@ -81,8 +86,6 @@ class Method:
 
     name: ClassVar[str] = "base"
     Options: ClassVar[type] = NoOptions
-    #: ``"all_reduce"`` (sum-compatible payload) or ``"all_gather"`` (decode after gathering).
-    aggregation: ClassVar[str] = "all_reduce"
     #: True for methods that exist only for measurement (e.g. no communication at all).
     timing_only: ClassVar[bool] = False
 
@@ -91,10 +94,11 @@ class Method:
         self.ctx: MethodContext | None = None
         self.ddp: nn.Module | None = None
         #: ``torch.amp.GradScaler`` for fp16 AMP (see :meth:`attach_scaler`), else None
-        self.scaler: Any = None
+        self.scaler: torch.amp.GradScaler | None = None
 
     # --- model axis -------------------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
+        """Change the model before it is wrapped (model axis). Default: unchanged."""
         return model
 
     # --- schedule / payload axis ------------------------------------------------------------
@@ -130,7 +134,7 @@ class Method:
             optimizer.step()
 
     # --- AMP and non-finite steps -----------------------------------------------------------
-    def attach_scaler(self, scaler: Any) -> None:
+    def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
         """Hand the trainer's ``torch.amp.GradScaler`` (or None) to the method.
 
         Why the method needs it: comm hooks see *scaled* gradients, and state that outlives a
@@ -157,16 +161,27 @@ class Method:
         """Called instead of :meth:`optimizer_step` for a step whose gradient is non-finite
         (no GradScaler). Default: nothing to undo."""
 
-    def optimizer_overrides(self, cfg: Any) -> list[OptimizerOverride]:
+    def optimizer_overrides(self, cfg: TrainConfig) -> list[OptimizerOverride]:
         """Optimizer settings this method needs, given the training config ``cfg``.
 
         Why a method may ask: some payloads change what the optimizer should do (Signum
         carries its own momentum, so SGD momentum on top compounds it). The trainer applies
         an override only to a setting the user left at its default, printing one line on
         rank 0; a setting given explicitly is kept, with a warning
-        (:func:`lowcomm.runtime.optim.apply_method_overrides`). Default: none.
+        (:func:`lowcomm.optim.apply_method_overrides`). Default: none.
         """
         return []
+
+    def lr_multiplier(self, step: int) -> float:
+        """Factor on the scheduled LR of global optimizer step ``step`` (0-based).
+
+        Why a method may ask: a method that changes the model mid-run and resets the
+        optimizer (Pufferfish's switch) re-warms the LR up (:class:`lowcomm.optim.Rewarmup`).
+        The trainer's scheduler multiplies this in, so it must be a pure function of
+        ``step`` given the method's state: a rebuilt or resumed scheduler replays it.
+        Default: 1.
+        """
+        return 1.0
 
     def flush(self) -> None:
         """Complete anything pending so the weights are whole (before eval or checkpoint)."""
@@ -177,12 +192,15 @@ class Method:
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """State that outlives a step (error feedback, switch decisions), for checkpoints:
+        without it a resumed run diverges from an uninterrupted one. Default: none."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        """Restore :meth:`state_dict`; called before :meth:`prepare` and :meth:`wrap`."""
 
     def describe(self) -> dict[str, Any]:
+        """The method and its options, for the training summary (``method_info``)."""
         return {"method": self.name, "options": dataclasses.asdict(self.options)}
 
 
@@ -220,18 +238,70 @@ def _finite(value: float, key: str, method: str) -> float:
     return value
 
 
+def split_top_level(text: str, sep: str = ",") -> list[str]:
+    """Split ``text`` on ``sep`` outside parentheses; parts are stripped, empty ones dropped.
+
+    Why: method specs nest (``pufferfish:then=(acpsgd:rank=4,start_iter=5),rank_ratio=0.25``),
+    and a nested spec's own commas must not end the outer option. Unbalanced parentheses
+    are a :class:`UsageError` naming the text.
+    """
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth < 0:
+                raise UsageError(f"unbalanced parentheses in {text!r}: ')' at position {i} closes nothing")
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth > 0:
+        raise UsageError(f"unbalanced parentheses in {text!r}: {depth} '(' not closed")
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def strip_parens(value: str) -> str:
+    """``'(acpsgd:rank=4)'`` -> ``'acpsgd:rank=4'``: one outer pair enclosing the whole value
+    is removed (``'(a)(b)'`` is left as it is); anything else is returned stripped."""
+    value = value.strip()
+    if len(value) >= 2 and value[0] == "(" and value[-1] == ")":
+        depth = 0
+        for i, ch in enumerate(value):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0 and i < len(value) - 1:
+                return value  # the first "(" closes before the end: not one enclosing pair
+        return value[1:-1].strip()
+    return value
+
+
 def parse_options(method_name: str, options_cls: type, text: str) -> Any:
-    """Parse ``key=value,key=value`` into ``options_cls``; refuse unknown keys clearly."""
+    """Parse ``key=value,key=value`` into ``options_cls``; refuse unknown keys clearly.
+
+    A value may be a nested method spec in parentheses, ``then=(acpsgd:rank=4,start_iter=5)``
+    (see :func:`split_top_level`); one outer pair is removed before conversion. A nested spec
+    with at most one option needs none (``then=acpsgd:rank=4``).
+    """
     fields = {f.name: f for f in dataclasses.fields(options_cls)}
     values: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    nested_bare: str | None = None  # "key=value" whose value was an unparenthesized nested spec
+    for item in split_top_level(text):
         if "=" not in item:
             raise UsageError(f"method option {item!r} must look like key=value (method {method_name!r})")
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in fields:
             valid = ", ".join(fields) or "none"
-            raise UsageError(f"unknown option {key!r} for method {method_name!r}; valid: {valid}")
-        values[key] = _convert(value, fields[key].type, key, method_name)
+            hint = ""
+            if nested_bare is not None:
+                hint = f" (a nested method's options go in parentheses: {nested_bare},{key}=...))"
+            raise UsageError(f"unknown option {key!r} for method {method_name!r}; valid: {valid}{hint}")
+        if ":" in value and not value.startswith("("):
+            nested_bare = f"{key}=({value}"
+        values[key] = _convert(strip_parens(value), fields[key].type, key, method_name)
     try:
         return options_cls(**values)
     except (TypeError, ValueError) as e:

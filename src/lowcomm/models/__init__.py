@@ -117,7 +117,7 @@ def create(name: str, **kwargs: Any) -> nn.Module:
         valid = ", ".join(k for k in params if not k.startswith("_"))
         raise UsageError(f"model {name!r} has no option {', '.join(unknown)}; valid: {valid}")
     model = factory(**kwargs)
-    model.lowcomm_name = name  # type: ignore[assignment]
+    vars(model)["lowcomm_name"] = name  # a plain attribute (nn.Module types only tensors/modules)
     return model
 
 

@@ -68,6 +68,7 @@ class LSTM(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         for k, layer in enumerate(self.layers):
             if k:
                 x = self.drop(x)
@@ -114,6 +115,7 @@ class LSTMLanguageModel(nn.Module):
             nn.init.uniform_(self.decoder.weight, -0.1, 0.1)
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """Next-token logits for every position."""
         x = self.drop(self.encoder(tokens))
         out = self.rnn(x)
         if isinstance(out, tuple):  # nn.LSTM returns (output, (h, c))
@@ -133,6 +135,7 @@ def lstm_lm(
     tie_weights: bool = True,
     impl: Literal["linear", "torch"] = "linear",
 ) -> LSTMLanguageModel:
+    """Registry entry: the LSTM language model (Pufferfish's WikiText-2 model by default)."""
     return LSTMLanguageModel(vocab_size=vocab_size, emb_size=emb_size, hidden_size=hidden_size,
                              num_layers=num_layers, dropout=dropout, tie_weights=tie_weights,
                              impl=impl)

@@ -40,6 +40,7 @@ class BasicBlock(nn.Module):
         self.downsample = _downsample(in_planes, planes * self.expansion, stride)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
@@ -64,6 +65,7 @@ class Bottleneck(nn.Module):
         self.downsample = _downsample(in_planes, planes * self.expansion, stride)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
@@ -140,6 +142,7 @@ class ResNet(nn.Module):
                     nn.init.zeros_(m.bn2.weight)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
         return self.fc(torch.flatten(self.avgpool(x), 1))
@@ -158,18 +161,21 @@ def _imagenet_info(desc: str) -> ModelInfo:
 
 @register_model("resnet18", info=_cifar_info(18))
 def resnet18(*, num_classes: int = 10, in_channels: int = 3, zero_init_residual: bool = False) -> ResNet:
+    """Registry entry: CIFAR ResNet-18 (3x3 stem, no max-pool)."""
     return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, stem="cifar",
                   in_channels=in_channels, zero_init_residual=zero_init_residual)
 
 
 @register_model("resnet34", info=_cifar_info(34))
 def resnet34(*, num_classes: int = 10, in_channels: int = 3, zero_init_residual: bool = False) -> ResNet:
+    """Registry entry: CIFAR ResNet-34."""
     return ResNet(BasicBlock, [3, 4, 6, 3], num_classes=num_classes, stem="cifar",
                   in_channels=in_channels, zero_init_residual=zero_init_residual)
 
 
 @register_model("resnet50", info=_cifar_info(50))
 def resnet50(*, num_classes: int = 10, in_channels: int = 3, zero_init_residual: bool = False) -> ResNet:
+    """Registry entry: CIFAR ResNet-50 (bottleneck blocks)."""
     return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, stem="cifar",
                   in_channels=in_channels, zero_init_residual=zero_init_residual)
 
@@ -177,6 +183,7 @@ def resnet50(*, num_classes: int = 10, in_channels: int = 3, zero_init_residual:
 @register_model("resnet18_imagenet", info=_imagenet_info("ImageNet ResNet-18 (torchvision structure)"))
 def resnet18_imagenet(*, num_classes: int = 1000, in_channels: int = 3,
                       zero_init_residual: bool = False) -> ResNet:
+    """Registry entry: ImageNet ResNet-18 (7x7 stem and max-pool)."""
     return ResNet(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, stem="imagenet",
                   in_channels=in_channels, zero_init_residual=zero_init_residual)
 
@@ -184,6 +191,7 @@ def resnet18_imagenet(*, num_classes: int = 1000, in_channels: int = 3,
 @register_model("resnet50_imagenet", info=_imagenet_info("ImageNet ResNet-50 (torchvision structure)"))
 def resnet50_imagenet(*, num_classes: int = 1000, in_channels: int = 3,
                       zero_init_residual: bool = False) -> ResNet:
+    """Registry entry: ImageNet ResNet-50."""
     return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, stem="imagenet",
                   in_channels=in_channels, zero_init_residual=zero_init_residual)
 
@@ -191,5 +199,6 @@ def resnet50_imagenet(*, num_classes: int = 1000, in_channels: int = 3,
 @register_model("wide_resnet50_2", info=_imagenet_info("Wide-ResNet-50-2 (torchvision structure)"))
 def wide_resnet50_2(*, num_classes: int = 1000, in_channels: int = 3,
                     zero_init_residual: bool = False) -> ResNet:
+    """Registry entry: ImageNet Wide ResNet-50-2 (Pufferfish's largest vision model)."""
     return ResNet(Bottleneck, [3, 4, 6, 3], num_classes=num_classes, stem="imagenet",
                   in_channels=in_channels, base_width=128, zero_init_residual=zero_init_residual)

@@ -37,6 +37,7 @@ class CNN1d(nn.Module):
         self.fc = nn.Linear(channels * length, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         if x.dim() == 2:
             x = x.unsqueeze(1)
         x = self.relu(self.bn1(self.conv1(x)))
@@ -56,6 +57,7 @@ class MLP(nn.Module):
         self.relu = nn.ReLU(inplace=True)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         x = torch.flatten(x, 1)
         return self.fc(self.relu(self.fc2(self.relu(self.fc1(x)))))
 
@@ -63,10 +65,12 @@ class MLP(nn.Module):
 @register_model("cnn1d", info=ModelInfo("classification", (40,), default_num_classes=10,
                                        description="1-D CNN for MNIST-1D / digits"))
 def cnn1d(*, input_dim: int = 40, num_classes: int = 10, channels: int = 32) -> CNN1d:
+    """Registry entry: the small 1-D CNN (MNIST-1D; fast enough for tests and demos)."""
     return CNN1d(input_dim=input_dim, num_classes=num_classes, channels=channels)
 
 
 @register_model("mlp", info=ModelInfo("classification", (40,), default_num_classes=10,
                                      description="2-hidden-layer MLP for MNIST-1D / digits"))
 def mlp(*, input_dim: int = 40, num_classes: int = 10, hidden: int = 100) -> MLP:
+    """Registry entry: the two-layer MLP (MNIST-1D)."""
     return MLP(input_dim=input_dim, num_classes=num_classes, hidden=hidden)

@@ -71,6 +71,7 @@ class EncoderLayer(nn.Module):
         return self.dropout(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         if self.norm_first:
             x = x + self._sa(self.norm1(x), mask)
             return x + self._ff(self.norm2(x))
@@ -107,6 +108,7 @@ class DecoderLayer(nn.Module):
         return self.dropout(self.linear2(self.dropout(self.activation(self.linear1(x)))))
 
     def forward(self, x: Tensor, memory: Tensor, mask: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         if self.norm_first:
             x = x + self._sa(self.norm1(x), mask)
             x = x + self._ca(self.norm2(x), memory)
@@ -159,6 +161,7 @@ class Transformer(nn.Module):
         return self.drop(x + pos)
 
     def encode(self, src: Tensor) -> Tensor:
+        """Encoder stack over the source tokens (the memory the decoder attends to)."""
         x = self._embed(src)
         if not self.norm_first:
             x = self.encoder.norm(x)
@@ -167,6 +170,7 @@ class Transformer(nn.Module):
         return self.encoder.norm(x) if self.norm_first else x
 
     def decode(self, tgt: Tensor, memory: Tensor) -> Tensor:
+        """Decoder stack over the target tokens, causally masked, attending to ``memory``."""
         x = self._embed(tgt)
         if not self.norm_first:
             x = self.decoder.norm(x)
@@ -176,6 +180,7 @@ class Transformer(nn.Module):
         return self.decoder.norm(x) if self.norm_first else x
 
     def forward(self, src: Tensor, tgt: Tensor | None = None) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         if tgt is None:
             bos = torch.full_like(src[:, :1], self.bos_id)
             tgt = torch.cat([bos, src[:, :-1]], dim=1)
@@ -196,6 +201,7 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         h = self.norm1(x)
         x = x + self.dropout(self.attn(h, h, h, attn_mask=mask, need_weights=False)[0])
         return x + self.dropout(self.linear2(self.activation(self.linear1(self.norm2(x)))))
@@ -224,6 +230,7 @@ class TransformerLM(nn.Module):
         self.lm_head.weight = self.tok_emb.weight
 
     def forward(self, tokens: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         t = tokens.shape[1]
         if t > self.max_len:
             raise ValueError(f"sequence length {t} exceeds max_len={self.max_len}")
@@ -250,6 +257,7 @@ def transformer(
     norm_first: bool = True,
     bos_id: int = 0,
 ) -> Transformer:
+    """Registry entry: the encoder-decoder Transformer (Pufferfish's WMT16 model, smaller defaults)."""
     return Transformer(vocab_size=vocab_size, d_model=d_model, nhead=nhead,
                        num_encoder_layers=num_encoder_layers, num_decoder_layers=num_decoder_layers,
                        dim_feedforward=dim_feedforward, dropout=dropout, norm_first=norm_first,
@@ -268,5 +276,6 @@ def transformer_lm(
     max_len: int = 256,
     dropout: float = 0.1,
 ) -> TransformerLM:
+    """Registry entry: a decoder-only Transformer language model."""
     return TransformerLM(vocab_size=vocab_size, d_model=d_model, nhead=nhead,
                          num_layers=num_layers, max_len=max_len, dropout=dropout)

@@ -75,10 +75,12 @@ class VGG(nn.Module):
                 nn.init.zeros_(m.bias)
 
     def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
         return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
 
 
 @register_model("vgg19", info=ModelInfo("classification", (3, 32, 32), default_num_classes=10,
                                        description="CIFAR VGG-19-BN, 2x512 FC head (Pufferfish)"))
 def vgg19(*, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.5) -> VGG:
+    """Registry entry: CIFAR VGG-19 with batch norm (Pufferfish's VGG model)."""
     return VGG(CFG_E, num_classes=num_classes, in_channels=in_channels, dropout=dropout)

@@ -78,6 +78,7 @@ def atomic_save(obj: Any, path: str) -> None:
 
 
 def atomic_write_json(obj: Any, path: str) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically: a reader never sees half a summary."""
     _atomic_write_bytes(path, lambda f: f.write(json.dumps(obj, indent=2).encode()))
 
 
@@ -106,6 +107,8 @@ def _python_state_to_list(state: tuple[Any, ...]) -> list[Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore :func:`rng_state`: a resumed run draws the same random numbers (dropout,
+    augmentation, sampling) as the uninterrupted one."""
     torch.set_rng_state(state["torch"])
     n = state["numpy"]
     np.random.set_state(
@@ -118,10 +121,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def rank_path(directory: str, step: int, rank: int) -> str:
+    """The file of ``rank``'s state at ``step`` (one file per rank: no gather at save)."""
     return os.path.join(directory, f"ckpt-{step:08d}-rank{rank}.pt")
 
 
 def save_rank(directory: str, step: int, rank: int, payload: dict[str, Any]) -> None:
+    """Save ``rank``'s state at ``step`` atomically (committed later by :func:`commit`)."""
     atomic_save(payload, rank_path(directory, step, rank))
 
 

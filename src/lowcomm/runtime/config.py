@@ -21,6 +21,9 @@ MAX_THREADS = 1024
 
 @dataclass
 class TrainConfig:
+    """Every setting of one training run; built once (CLI or Python), validated before any
+    worker starts, and sent to every worker as JSON, so all ranks train the same thing."""
+
     model: str = "cnn1d"
     data: str = "mnist1d"
     data_dir: str | None = None
@@ -124,6 +127,7 @@ class TrainConfig:
         return mode
 
     def to_dict(self) -> dict[str, Any]:
+        """The settings as plain JSON types (for workers and the run's records)."""
         return asdict(self)
 
 

@@ -25,6 +25,7 @@ import glob
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -42,12 +43,22 @@ USAGE_DIR_VAR = "LOWCOMM_USAGE_ERROR_DIR"
 USAGE_GRACE_S = 3.0
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago: the rendezvous port of a local launch (and of
+    the test helpers' ranks), so two runs on one host do not collide on a fixed port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def under_torchrun() -> bool:
     """True when this process is a worker started by torchrun or by :func:`launch_workers`."""
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE"))
 
 
 class WorkerFailure(RuntimeError):
+    """A worker exited non-zero or was killed; names the rank, so the user knows which one."""
+
     def __init__(self, rank: int, returncode: int) -> None:
         super().__init__(f"worker rank {rank} {describe_exit(returncode)}")
         self.rank = rank
@@ -160,10 +171,6 @@ def launch_workers(
 
     ``command`` replaces ``python -m lowcomm`` (tests use it to start tiny scripts).
     """
-    # Imported here: lowcomm.testing.distributed pulls in torch._dynamo (~3 s), which the
-    # launcher itself never needs (and `lowcomm.cli` imports this module on every error).
-    from lowcomm.testing.distributed import free_port
-
     port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
     usage_dir = tempfile.mkdtemp(prefix="lowcomm-usage-")
     try:

@@ -29,6 +29,7 @@ class StepTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
+        """Credit the wall time of the ``with`` block to phase ``name``."""
         start = time.perf_counter()
         try:
             yield
@@ -36,18 +37,22 @@ class StepTimer:
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
+        """Credit ``seconds`` to ``name`` (thread-safe: hooks may report from other threads)."""
         with self._lock:
             self._current[name] += seconds
 
     def get(self, name: str) -> float:
+        """Seconds credited to ``name`` so far in this step."""
         with self._lock:
             return self._current.get(name, 0.0)
 
     def set(self, name: str, seconds: float) -> None:
+        """Replace this step's total for ``name``."""
         with self._lock:
             self._current[name] = seconds
 
     def end_step(self) -> dict[str, float]:
+        """Close the step: keep and return its seconds per phase, start the next at zero."""
         with self._lock:
             done = {p: self._current.get(p, 0.0) for p in PHASES}
             for k, v in self._current.items():
@@ -57,6 +62,7 @@ class StepTimer:
         return done
 
     def medians(self, skip: int = 0) -> dict[str, float]:
+        """Median seconds per phase over the steps after the first ``skip`` (warm-up)."""
         rows = self.steps[skip:] or self.steps
         if not rows:
             return {p: 0.0 for p in PHASES}

@@ -12,7 +12,6 @@ import ast
 import json
 import math
 import os
-import sys
 import tempfile
 from typing import Any
 
@@ -59,6 +58,7 @@ def _milestones(text: str) -> list[float]:
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``lowcomm train`` options, defaults taken from :class:`TrainConfig` (one source)."""
     d = TrainConfig()
     p.add_argument("--model", default=d.model, help="model name (see lowcomm.models)")
     p.add_argument("--data", default=d.data, help="dataset name; mnist1d is embedded")
@@ -109,6 +109,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The validated :class:`TrainConfig` of parsed arguments (errors before any worker starts)."""
     data_args = dict(args.data_arg)
     for key, flag in (("num_classes", "--num-classes"), ("vocab_size", "--vocab-size")):
         if getattr(args, key) is not None:
@@ -185,10 +186,12 @@ def check_model_args(model: str, model_args: dict[str, Any]) -> None:
 
 
 def default_threads(nproc: int) -> int:
+    """torch threads per worker: the cores shared evenly, so workers do not oversubscribe them."""
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """``lowcomm train``: train here (under torchrun) or start ``--nproc`` local workers."""
     cfg = config_from_args(args)
     if under_torchrun():
         from lowcomm.runtime.trainer import run_training
@@ -236,6 +239,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, for the summary table."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -244,6 +248,7 @@ def format_bytes(n: float) -> str:
 
 
 def print_summary(s: dict[str, Any]) -> None:
+    """The run's summary as a table on the terminal."""
     from rich.console import Console
     from rich.table import Table
 
@@ -291,7 +296,8 @@ def run_demo(args: argparse.Namespace) -> int:
     return int(bench_cli.run(bench_args))
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``train`` subcommand to the top-level CLI."""
     p = sub.add_parser("train", help="train a model with a communication method")
     add_train_arguments(p)
     p.set_defaults(func=run_train)

@@ -3,22 +3,21 @@
 One worker process per rank. The loop is plain DDP-style data parallelism; a
 :class:`~lowcomm.methods.Method` decides how the model is wrapped and how gradients travel.
 Everything measured here (phase times, bytes) is measured the same way for every method.
+The parts the loop uses live beside it: the process group (:mod:`.distributed`), mixed
+precision (:mod:`.precision`), model/data/loss (:mod:`.workload`), evaluation
+(:mod:`.evaluation`), measurements (:mod:`.measure`), logs (:mod:`.records`), the JSON
+summary (:mod:`.summary`); optimizers and LR schedules are the update axis (:mod:`lowcomm.optim`).
 """
 
 from __future__ import annotations
 
-import inspect
-import json
 import math
 import os
-import random
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -30,255 +29,19 @@ from lowcomm.comm import accounting
 from lowcomm.compress.feedback import warn_nonfinite
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import Method, MethodContext
+from lowcomm.optim.builders import apply_method_overrides, build_optimizer
+from lowcomm.optim.schedules import build_scheduler
 from lowcomm.runtime import checkpoint, timing
 from lowcomm.runtime.config import TrainConfig
-from lowcomm.runtime.optim import apply_method_overrides, build_optimizer, build_scheduler
+from lowcomm.runtime.distributed import init_distributed
+from lowcomm.runtime.evaluation import evaluate
+from lowcomm.runtime.measure import InterfaceCounter, LastGradClock
+from lowcomm.runtime.precision import amp_dtype, autocast, grad_scaler
+from lowcomm.runtime.records import Progress, RunLog
+from lowcomm.runtime.summary import summary
+from lowcomm.runtime.workload import Batches, build_model, loss_fn, seed_everything, task_of, unwrap
 
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-#: Process-group backend with CUDA: NCCL carries CUDA tensors, gloo the few CPU ones. A bare
-#: ``"nccl"`` registers no CPU backend, so any CPU collective (a stray control tensor, a
-#: library's object broadcast) would fail with "No backend type associated with device type cpu".
-CUDA_BACKEND = "cpu:gloo,cuda:nccl"
-
-
-def dist_backend(use_cuda: bool) -> str:
-    """The backend string for ``init_process_group``.
-
-    ``LOWCOMM_DIST_BACKEND`` overrides it (e.g. ``gloo``: several ranks sharing one GPU, which
-    NCCL refuses, for tests on a single-GPU machine); otherwise :data:`CUDA_BACKEND` with CUDA
-    and ``gloo`` without.
-    """
-    forced = os.environ.get("LOWCOMM_DIST_BACKEND", "").strip()
-    if forced:
-        return forced
-    return CUDA_BACKEND if use_cuda else "gloo"
-
-
-def _cuda_device(local: int, backend: str) -> torch.device:
-    """``cuda:LOCAL_RANK``; ranks share GPUs round-robin only where CUDA tensors go over gloo."""
-    n = torch.cuda.device_count()
-    if local < n:
-        return torch.device("cuda", local)
-    config = dist.get_backend_config() if dist.is_initialized() else backend
-    try:
-        cuda_backend = accounting.parse_backend_config(config).get("cuda")
-    except ValueError as e:
-        raise UsageError(f"LOWCOMM_DIST_BACKEND: {e}") from None
-    if cuda_backend == "nccl":
-        raise UsageError(
-            f"LOCAL_RANK {local} but only {n} CUDA device(s) visible: NCCL needs one GPU per rank; "
-            f"start at most {n} workers per node (or set LOWCOMM_DIST_BACKEND=gloo to share GPUs, "
-            "e.g. for tests)"
-        )
-    return torch.device("cuda", local % n)
-
-
-def init_distributed(cfg: TrainConfig) -> Dist:
-    """Join the process group described by torchrun's environment variables (if any)."""
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda requested but CUDA is not available")
-    backend = dist_backend(use_cuda)
-    device = _cuda_device(local, backend) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        from datetime import timedelta
-
-        dist.init_process_group(
-            backend,
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=float(os.environ.get("LOWCOMM_DIST_TIMEOUT_S", 300))),
-        )
-    return Dist(rank, world, local, device)
-
-
-def amp_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype of ``--amp``: plain ``--amp`` (``auto``) is bf16 on CPU and fp16 on
-    CUDA (as it always was); ``fp16`` / ``bf16`` choose explicitly. None: no AMP."""
-    mode = cfg.amp_mode()
-    if mode is None:
-        return None
-    if mode == "auto":
-        return torch.float16 if device.type == "cuda" else torch.bfloat16
-    return torch.float16 if mode == "fp16" else torch.bfloat16
-
-
-def _open_log(path: str) -> Any:
-    """Open the JSONL step log for appending, first dropping a torn last line.
-
-    A run killed while writing a record leaves half a line; a resumed run appending after it
-    would glue its first record onto that fragment and make the file unreadable as JSONL.
-    """
-    try:
-        with open(path, "rb+") as f:
-            end = f.seek(0, os.SEEK_END)
-            pos = end
-            while pos > 0:  # read back from the end only as far as the last newline
-                step = min(pos, 1 << 16)
-                f.seek(pos - step)
-                chunk = f.read(step)
-                if pos == end and chunk.endswith(b"\n"):
-                    break  # the last line is whole
-                cut = chunk.rfind(b"\n")
-                if cut >= 0:
-                    f.truncate(pos - step + cut + 1)
-                    break
-                pos -= step
-            else:
-                f.truncate(0)  # no newline at all: one torn line
-    except FileNotFoundError:
-        pass
-    return open(path, "a")
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _accepted_kwargs(factory: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    try:
-        params = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return kwargs
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return kwargs
-    return {k: v for k, v in kwargs.items() if k in params}
-
-
-def build_model(cfg: TrainConfig, bundle: Any) -> nn.Module:
-    """Create the model sized to the data (classes / vocabulary / input width)."""
-    factory = model_registry.MODELS.get(cfg.model)
-    implied: dict[str, Any] = {}
-    if bundle.task == "classification" and bundle.num_classes:
-        implied["num_classes"] = bundle.num_classes
-    if bundle.vocab_size:
-        implied["vocab_size"] = bundle.vocab_size
-    if bundle.input_shape:
-        implied["input_dim"] = bundle.input_shape[0] if len(bundle.input_shape) == 1 else None
-        implied = {k: v for k, v in implied.items() if v is not None}
-    kwargs = {**_accepted_kwargs(factory, implied), **cfg.model_args}
-    try:
-        return model_registry.create(cfg.model, **kwargs)
-    except TypeError as e:
-        raise UsageError(f"model {cfg.model!r} does not accept these arguments: {e}") from None
-
-
-def _task_of(model_name: str, bundle: Any) -> str:
-    info = getattr(model_registry, "info", None)
-    model_task = info(model_name).task if info else bundle.task
-    if model_task != bundle.task:
-        raise UsageError(
-            f"model {model_name!r} is a {model_task} model but data {bundle.name!r} is "
-            f"{bundle.task} data"
-        )
-    return str(bundle.task)
-
-
-def loss_fn(task: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if task == "language_model":
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-    return nn.functional.cross_entropy(logits, y)
-
-
-class Batches:
-    """Deterministic per-rank batches for an epoch, resumable at any batch index.
-
-    Same permutation as ``DistributedSampler(shuffle=True, seed, drop_last=False)`` after
-    ``set_epoch(epoch)``: every rank gets the same number of batches, so collectives match.
-    """
-
-    def __init__(self, dataset: Any, batch_size: int, rank: int, world: int, seed: int, shuffle: bool = True) -> None:
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.sampler = torch.utils.data.distributed.DistributedSampler(
-            dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
-        )
-        self.tensors = getattr(dataset, "tensors", None)
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.sampler) / self.batch_size)
-
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.sampler.set_epoch(epoch)
-        indices = list(self.sampler)
-        for b in range(start_batch, len(self)):
-            idx = indices[b * self.batch_size : (b + 1) * self.batch_size]
-            yield self._fetch(idx)
-
-    def _fetch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.tensors is not None:
-            t = torch.as_tensor(idx)
-            return self.tensors[0][t], self.tensors[1][t]
-        items = [self.dataset[i] for i in idx]
-        xs, ys = zip(*items)
-        return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack([torch.as_tensor(y) for y in ys])
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
-class LastGradClock:
-    """Time at which the last gradient of backward was accumulated (compute end)."""
-
-    def __init__(self) -> None:
-        self.last = 0.0
-        self._handles: list[Any] = []
-
-    def attach(self, model: nn.Module) -> None:
-        self.detach()
-        for p in model.parameters():
-            if p.requires_grad:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._tick))
-
-    def _tick(self, _: torch.Tensor) -> None:
-        self.last = time.perf_counter()
-
-    def detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-
-class InterfaceCounter:
-    """Bytes this host really transmitted on one network interface (Linux sysfs).
-
-    Set ``LOWCOMM_MEASURE_IFACE`` (the benchmark sets it to each worker's emulated link) to
-    record, next to the bytes counted by the accounting layer, what actually left the
-    worker, TCP/IP headers and any collective-algorithm overhead included.
-    """
-
-    def __init__(self, iface: str | None) -> None:
-        self.path = f"/sys/class/net/{iface}/statistics/tx_bytes" if iface else None
-        if self.path and not os.path.exists(self.path):
-            self.path = None
-
-    def read(self) -> int | None:
-        if self.path is None:
-            return None
-        with open(self.path) as f:
-            return int(f.read())
+__all__ = ["Trainer", "amp_dtype", "run_training"]
 
 
 class Trainer:
@@ -291,7 +54,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         seed_everything(cfg.seed)
         self.bundle = data_registry.create(cfg.data, data_dir=cfg.data_dir, seed=cfg.seed, **cfg.data_args)
-        self.task = _task_of(cfg.model, self.bundle)
+        self.task = task_of(cfg.model, self.bundle)
         # Encoder-decoder models trained as a copy task predict their own input.
         self.target_is_input = getattr(model_registry.info(cfg.model), "lm_target", "next") == "input"
         self.method: Method = method_registry.create(cfg.method)
@@ -315,14 +78,8 @@ class Trainer:
         self.warmup_steps = (
             cfg.warmup_steps if cfg.warmup_steps is not None else min(2, max(0, self.total_steps - 1))
         )
-        # fp16 autocast needs a GradScaler (fp16 gradients underflow); bf16 does not. Every
-        # method takes it through Method.attach_scaler (after each wrap, see _build): comm
-        # hooks keep their state in unscaled units, the scheduling engine runs the scaler's
-        # unscale/skip on its gradient shards.
         self.amp_dtype = amp_dtype(cfg, self.dist.device)
-        self.scaler: Any = None
-        if self.amp_dtype == torch.float16:
-            self.scaler = torch.amp.GradScaler(self.dist.device.type)
+        self.scaler: torch.amp.GradScaler | None = grad_scaler(self.amp_dtype, self.dist.device)  # fp16 only
         self.clock = LastGradClock()
         self.timer = timing.timer()
         self.step = 0
@@ -333,14 +90,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.iface = InterfaceCounter(os.environ.get("LOWCOMM_MEASURE_IFACE"))
         self.step_tx: list[int] = []
-        self.log_file = _open_log(cfg.log) if cfg.log and self.dist.is_main else None
-        self.tb: Any = None
-        if cfg.tensorboard and self.dist.is_main:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
-            self.tb = SummaryWriter(cfg.tensorboard)
+        self.log = RunLog(cfg.log, cfg.tensorboard, enabled=self.dist.is_main)
 
         raw = build_model(cfg, self.bundle)
         self.params_before = sum(p.numel() for p in raw.parameters())
@@ -351,6 +101,8 @@ class Trainer:
 
     # --- construction -------------------------------------------------------------------------
     def _build(self, raw: nn.Module, resume_state: dict[str, Any] | None = None) -> None:
+        """Prepare and wrap the model with the method, build optimizer and scheduler (again
+        after a method's re-wrap, continuing the schedule), restore a checkpoint's state."""
         raw = self.method.prepare(raw).to(self.dist.device)
         if resume_state is not None and "model" in resume_state:
             raw.load_state_dict(resume_state["model"])
@@ -359,7 +111,8 @@ class Trainer:
         self.method.attach_scaler(self.scaler)
         self.clock.attach(raw)
         self.optimizer = build_optimizer(self.cfg, raw)
-        self.scheduler = build_scheduler(self.cfg, self.optimizer, self.steps_per_epoch, self.total_steps)
+        self.scheduler = build_scheduler(self.cfg, self.optimizer, self.steps_per_epoch, self.total_steps,
+                                         multiplier=self.method.lr_multiplier)
         if resume_state is not None:
             self.optimizer.load_state_dict(resume_state["optimizer"])
             self.scheduler.load_state_dict(resume_state["scheduler"])
@@ -375,6 +128,7 @@ class Trainer:
                     self.scheduler.step()
 
     def _load_resume_state(self) -> dict[str, Any] | None:
+        """The latest committed checkpoint's state for this rank (``--resume``), or None."""
         cfg = self.cfg
         if not cfg.resume:
             return None
@@ -401,6 +155,8 @@ class Trainer:
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self, epoch: int, batch: int) -> None:
+        """Write every rank's state at (``epoch``, ``batch``) and commit it (``--checkpoint-dir``);
+        a resume from it continues bit-identically."""
         cfg = self.cfg
         if not cfg.checkpoint_dir:
             return
@@ -431,11 +187,6 @@ class Trainer:
             dist.barrier()
 
     # --- one step -----------------------------------------------------------------------------
-    def _autocast(self) -> Any:
-        if self.amp_dtype is None:
-            return torch.autocast(self.dist.device.type, enabled=False)
-        return torch.autocast(self.dist.device.type, dtype=self.amp_dtype)
-
     def _phase_wall(self, name: str, start: float, end: float, hook_phases: dict[str, float]) -> None:
         """Credit wall time to ``name`` minus what hooks reported for other phases meanwhile."""
         inner = sum(self.timer.get(p) - v for p, v in hook_phases.items())
@@ -445,6 +196,7 @@ class Trainer:
         return {p: self.timer.get(p) for p in ("comm_wait", "compress")}
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """One optimizer step on batch ``(x, y)``, timed by phase; returns the loss."""
         t = self.timer
         with t.phase("data"):
             x = x.to(self.dist.device, non_blocking=True)
@@ -456,7 +208,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         snap = self._snapshot()
         start = time.perf_counter()
-        with self._autocast():
+        with autocast(self.amp_dtype, self.dist.device):
             out = self.model(x)
             loss = loss_fn(self.task, out, y)
         fwd_end = time.perf_counter()
@@ -517,59 +269,19 @@ class Trainer:
         return float(loss_value), bool(nonfinite)
 
     # --- evaluation ---------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Test metrics of the current weights (the method's pending work completed first)."""
         self.method.flush()
-        model = self.raw
-        was_training = model.training
-        model.eval()
-        n = len(self.bundle.test)
-        idx = list(range(self.dist.rank, n, self.dist.world_size))
-        # Statistics stay on the training device: no host sync per batch, and the all-reduce
-        # below runs on the backend that carries the model's tensors (NCCL has no CPU one).
-        dev = self.dist.device
-        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        correct = torch.zeros((), dtype=torch.float64, device=dev)
-        count = torch.zeros((), dtype=torch.float64, device=dev)
-        fetch = Batches(self.bundle.test, self.cfg.eval_batch_size, 0, 1, 0, shuffle=False)._fetch
-        for b in range(0, len(idx), self.cfg.eval_batch_size):
-            x, y = fetch(idx[b : b + self.cfg.eval_batch_size])
-            x, y = x.to(self.dist.device), y.to(self.dist.device)
-            if self.target_is_input:
-                y = x
-            with self._autocast():
-                out = model(x)
-            out = out.float()
-            loss_sum += loss_fn(self.task, out, y).double() * y.numel()
-            count += y.numel()
-            if self.task == "classification":
-                correct += (out.argmax(-1) == y).sum().double()
-        stats = torch.stack([loss_sum, correct, count])
-        if dist.is_initialized():
-            accounting.all_reduce(stats, tag="eval")
-        stats = stats.cpu()  # the one host sync of the evaluation
-        model.train(was_training)
-        loss = float(stats[0] / stats[2].clamp(min=1))
-        result = {"test_loss": loss}
-        if self.task == "classification":
-            result["test_accuracy"] = float(stats[1] / stats[2].clamp(min=1))
-        else:
-            result["test_perplexity"] = float(math.exp(min(loss, 50.0)))
-        return result
+        return evaluate(self.raw, self.bundle.test, task=self.task, dist_info=self.dist,
+                        batch_size=self.cfg.eval_batch_size, amp=self.amp_dtype,
+                        target_is_input=self.target_is_input)
 
     # --- loop ---------------------------------------------------------------------------------
-    def _log(self, record: dict[str, Any]) -> None:
-        if self.log_file:
-            self.log_file.write(json.dumps(record) + "\n")
-            self.log_file.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k not in ("step", "epoch"):
-                    self.tb.add_scalar(k, v, record.get("step", self.step))
-
     def run(self) -> dict[str, Any]:
+        """Train to the end (or ``--stop-after-steps``), evaluating and checkpointing at epoch
+        ends; returns the :func:`~lowcomm.runtime.summary.summary`."""
         cfg = self.cfg
-        progress = _Progress(self.total_steps, self.step, enabled=cfg.progress and self.dist.is_main)
+        progress = Progress(self.total_steps, self.step, enabled=cfg.progress and self.dist.is_main)
         wall_start = time.perf_counter() - (self.history[-1]["wall_s"] if self.history else 0.0)
         led = accounting.ledger()
         done = self.step >= self.total_steps
@@ -595,10 +307,11 @@ class Trainer:
                 self.step_bytes.append(led.wire_bytes - bytes_before)
                 batch_idx += 1
                 progress.update(loss)
-                if self.dist.is_main and (self.log_file or self.tb):
-                    self._log({"event": "step", "step": self.step, "epoch": epoch, "loss": loss,
+                if self.log.active:
+                    self.log.write({"event": "step", "step": self.step, "epoch": epoch, "loss": loss,
                                "lr": self.optimizer.param_groups[0]["lr"], "iter_time_s": step_time,
-                               "bytes": self.step_bytes[-1], **{f"{k}_s": v for k, v in phases.items()}})
+                               "bytes": self.step_bytes[-1], **{f"{k}_s": v for k, v in phases.items()}},
+                                   self.step)
                 if self.step >= self.total_steps:
                     done = True
                     break
@@ -615,7 +328,7 @@ class Trainer:
                     record.update(self.evaluate())
                 record["wall_s"] = time.perf_counter() - wall_start
                 self.history.append(record)
-                self._log(record)
+                self.log.write(record, self.step)
                 progress.note(record)
                 if self.method.on_epoch_end(epoch + 1) and not done:
                     self.method.flush()
@@ -632,81 +345,12 @@ class Trainer:
         return self.summary()
 
     def summary(self) -> dict[str, Any]:
-        skip = min(self.warmup_steps, max(0, len(self.step_times) - 1))
-        times = self.step_times[skip:]
-        bytes_iter = self.step_bytes[skip:]
-        led = accounting.ledger()
-        iter_median = float(np.median(times)) if times else 0.0
-        last = self.history[-1] if self.history else {}
-        result: dict[str, Any] = {
-            "method": self.cfg.method,
-            "world_size": self.dist.world_size,
-            "model": self.cfg.model,
-            "data": self.cfg.data,
-            "synthetic": bool(self.bundle.synthetic),
-            "epochs": self.epochs,
-            "steps": self.step,
-            "batch_size": self.cfg.batch_size,
-            # effective settings, after any method override (e.g. signum turns momentum off)
-            "optimizer": {"name": self.cfg.optimizer, "lr": self.cfg.lr,
-                          "momentum": self.cfg.momentum, "weight_decay": self.cfg.weight_decay},
-            "amp": self.cfg.amp,
-            "params": sum(p.numel() for p in self.raw.parameters()),
-            "params_initial": self.params_before,
-            "bytes_sent_per_worker": led.wire_bytes,
-            "bytes_per_worker_per_iter": float(np.median(bytes_iter)) if bytes_iter else 0.0,
-            "iter_time_s_median": iter_median,
-            "measured_tx_bytes_per_iter": float(np.median(self.step_tx[skip:])) if self.step_tx[skip:] else None,
-            "samples_per_s": self.cfg.batch_size * self.dist.world_size / iter_median if iter_median else 0.0,
-            "breakdown_s": self.timer.medians(skip),
-            "timed_steps": len(times),
-            "threads": torch.get_num_threads(),
-            "device": str(self.dist.device),
-            "method_info": self.method.describe(),
-            "traffic": led.as_dict(),
-            "history": self.history,
-        }
-        if self.task == "classification":
-            result["final_test_accuracy"] = last.get("test_accuracy")
-        else:
-            result["final_test_metric"] = last.get("test_perplexity")
-            result["metric_name"] = "perplexity"
-        if self.bundle.synthetic:
-            result["note"] = "synthetic data: timing only"
-        return result
+        """The run's JSON summary (:func:`lowcomm.runtime.summary.summary`)."""
+        return summary(self)
 
     def close(self) -> None:
-        if self.log_file:
-            self.log_file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-class _Progress:
-    """A rich progress bar on rank 0 when attached to a terminal; silent otherwise."""
-
-    def __init__(self, total: int, done: int, *, enabled: bool) -> None:
-        self.bar: Any = None
-        if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn())
-            self.bar.start()
-            self.task = self.bar.add_task("train", total=total, completed=done, info="")
-
-    def update(self, loss: float) -> None:
-        if self.bar:
-            self.bar.update(self.task, advance=1, info=f"loss {loss:.3f}")
-
-    def note(self, record: dict[str, Any]) -> None:
-        if self.bar:
-            parts = [f"{k} {v:.4f}" for k, v in record.items() if k.startswith("test_")]
-            self.bar.console.print(f"epoch {record['epoch']}: " + ", ".join(parts))
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.stop()
+        """Close the step log and TensorBoard writer."""
+        self.log.close()
 
 
 def run_training(cfg: TrainConfig) -> dict[str, Any]:

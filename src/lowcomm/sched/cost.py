@@ -25,10 +25,13 @@ SMALL_TENSOR_ELEMS = 8192
 
 @dataclass(frozen=True)
 class AlphaBeta:
+    """Latency-bandwidth model of one collective: ``alpha + beta * bytes`` seconds."""
+
     alpha: float  # seconds per collective
     beta: float  # seconds per byte
 
     def time(self, nbytes: float) -> float:
+        """Predicted seconds for a collective of ``nbytes``."""
         return self.alpha + self.beta * nbytes
 
 

@@ -8,53 +8,30 @@ strictly in reverse forward order (the "next group" pointer waits for stragglers
 sequence of collectives is identical on every rank — the property that keeps gloo/NCCL from
 pairing the wrong operations.
 
-Three modes (:class:`Mode`):
+Three modes (:class:`~lowcomm.sched.pairing.Mode`): ``allreduce`` (WFBP, MG-WFBP) all-reduces
+each group and ``finish_sync`` writes the averaged gradient into ``p.grad`` for the user's
+optimizer; ``dear`` (DeAR) and ``shard`` (Lee et al. 2018) reduce-scatter each group in
+backward and defer the all-gather and the update to the next forward
+(:mod:`lowcomm.sched.deferred`, update rules in :mod:`lowcomm.optim.sharded`). Any codec
+(``codec``) can replace the gradient by its message (:mod:`lowcomm.sched.payload`; the pairs
+that work: :mod:`lowcomm.sched.pairing`).
 
-* ``allreduce`` (WFBP, MG-WFBP): all-reduce each group; ``finish_sync`` waits and writes the
-  averaged gradient into ``p.grad``; the user's optimizer steps as usual.
-* ``dear`` (DeAR): reduce-scatter each group during backward; ``optimizer_step`` only records
-  the optimizer and its hyperparameters and starts the all-gather of group 0. A forward
-  pre-hook on each layer waits for its group's all-gather, starts the next group's (one group
-  ahead), writes the averaged gradient into ``p.grad`` and runs the user's optimizer on that
-  group's parameters only, with the hyperparameters recorded at ``optimizer_step`` (so an LR
-  scheduler stepped in between does not leak in). Elementwise optimizers (SGD with momentum,
-  Nesterov, weight decay; Adam/AdamW) give exactly DDP's update.
-* ``shard`` (Lee et al. 2018): reduce-scatter during backward; ``optimizer_step`` updates only
-  this rank's 1/P shard with a sharded copy of the optimizer (same class and hyperparameters,
-  state only for the shard); the forward pre-hooks all-gather the updated parameters one
-  group ahead of the forward.
-
-Low-rank payloads (``codec``, :mod:`lowcomm.sched.lowrank`): once the codec is active, a
-complete group is encoded (ACP-SGD: one fused buffer of uncompressed tensors and P *or* Q
-factors; PowerSGD: ``[unc, P]`` all-reduced synchronously at launch, then ``Q``) and that
-buffer travels instead of the gradient — all-reduced in ``allreduce`` mode, reduce-scattered
-in backward and all-gathered before the next forward in ``dear`` mode (ACP-SGD only: its
-message is a plain sum). The decode writes the averaged gradient into the group's buffer,
-from where it reaches ``p.grad`` exactly as an uncompressed one would.
-
-``flush()`` completes every pending all-gather (and, for ``dear``, update) so the weights are
-whole; call it before evaluation or a checkpoint. For ``shard`` it also gathers the sharded
-optimizer state into the user's optimizer, so ``optimizer.state_dict()`` on rank 0 is a full,
-ordinary checkpoint (loadable by any method); the next step re-shards it.
+``flush()`` completes every pending all-gather (and update) so the weights are whole; call it
+before evaluation or a checkpoint (lee18 also consolidates its sharded optimizer state into
+the user's optimizer: ``optimizer.state_dict()`` is an ordinary checkpoint).
 
 NaN/Inf and fp16 AMP (:meth:`Engine.attach_scaler`): ``allreduce`` mode leaves the averaged
-(scaled) gradient in ``p.grad`` and the user's GradScaler works as with DDP. The sharded
-modes hold the gradient only as shards between backward and the step, so the engine gives the
-scaler an optimizer-shaped view of those shards (:class:`_ShardView`): ``scaler.unscale_``
-unscales them and records the inf check, ``scaler.step`` decides (its one host sync) and
-calls back into the engine's own step, ``scaler.update`` backs off as usual. A group whose
-gradient is non-finite on one rank is filled with NaN before its reduce-scatter, so every
-rank's shards are non-finite and every rank skips the same step. The low-rank codec works in
-unscaled units (its factor shards need no unscaling). Without a scaler,
-:meth:`Engine.nonfinite_this_step` is a device flag for the trainer's single check.
+(scaled) gradient in ``p.grad`` for the user's GradScaler, as DDP does; the sharded modes give
+the scaler a view of their shards (:mod:`lowcomm.sched.shardview`). A group non-finite on one
+rank is poisoned before its reduce-scatter (a codec poisons its message), so every rank
+skips the same step. Without a scaler, :meth:`Engine.nonfinite_this_step` is a device flag
+for the trainer's single check.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 import warnings
-from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -62,61 +39,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting
+from lowcomm.compress.codec import Codec
 from lowcomm.compress.feedback import StepFlags, finite_flag, poison_
-from lowcomm.runtime import timing
 from lowcomm.errors import UsageError
-from lowcomm.sched.groups import Group, Unit, build_groups, collect_units
-from lowcomm.sched.lowrank import LowRankCodec, Message
+from lowcomm.sched.deferred import Deferred
+from lowcomm.sched.groups import Group, Unit, build_groups, check_unused, collect_units, name_list
+from lowcomm.sched.pairing import Mode
+from lowcomm.sched.payload import Carrier, world_and_rank
+from lowcomm.sched.shardview import ShardView, clip_sharded_
 
-
-class Mode(str, Enum):
-    ALLREDUCE = "allreduce"
-    DEAR = "dear"
-    SHARD = "shard"
-
-
-def _names(names: list[str], limit: int = 5) -> str:
-    more = f" and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-class _ShardView:
-    """What ``torch.amp.GradScaler`` needs of an optimizer, over the engine's gradient shards.
-
-    ``param_groups`` exposes each uncompressed shard as the ``.grad`` of an alias tensor (so
-    ``unscale_`` unscales the shards in place and checks them) plus one sentinel element that
-    is NaN when a pending low-rank factor shard is non-finite (those are already unscaled
-    and must not be divided again). ``step`` runs the engine's real update; GradScaler only
-    calls it when the check found nothing, and returns its ``True``.
-    """
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.optimizer: torch.optim.Optimizer | None = None
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        shards, factors = [], []
-        for g in self.engine.groups:
-            msg = g.msg
-            if msg is None:
-                shards.append(g.shard)
-            else:
-                factors.append(msg.shard if msg.shard is not None else msg.buf)  # type: ignore[union-attr]
-        device = self.engine.groups[0].flat.device
-        ok = torch.stack([finite_flag(f) for f in factors]).all() if factors else torch.ones((), dtype=torch.bool, device=device)
-        sentinel = torch.where(ok, 0.0, float("nan")).to(torch.float32).reshape(1)
-        params = []
-        for grad in [*shards, sentinel]:
-            alias = grad.detach()
-            alias.grad = grad
-            params.append(alias)
-        return [{"params": params}]
-
-    def step(self) -> bool:
-        assert self.optimizer is not None
-        self.engine._step(self.optimizer)
-        return True
+__all__ = ["Engine", "Mode", "ScheduledModule"]
 
 
 class Engine:
@@ -131,33 +63,31 @@ class Engine:
         tag: str = "sched",
         sizes: list[int] | None = None,
         broadcast_buffers: bool = True,
-        codec: LowRankCodec | None = None,
+        codec: Codec | None = None,
     ) -> None:
         self.model = model
-        self.codec = codec
         self.mode = Mode(mode)
         self.pg = process_group
         self.tag = tag
         self.broadcast_buffers = broadcast_buffers
-        self.distributed = dist.is_initialized()
-        self.world = dist.get_world_size(process_group) if self.distributed else 1
-        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.distributed, self.world, self.rank = world_and_rank(process_group)
+        self.codec = codec
+        index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
+        self.carrier = (Carrier(codec, mode=self.mode, group=process_group, world=self.world, rank=self.rank,
+                                distributed=self.distributed, tag=tag, param_index=index)
+                        if codec is not None else None)
         self.units: list[Unit] = collect_units(model)
         self.groups: list[Group] = []
         self._loc: dict[int, tuple[int, int]] = {}
         self._module_group: dict[int, int] = {}
         self._unit_of: dict[int, int] = {id(p): u.index for u in self.units for p in u.params}
         self.sizes: list[int] = []
-        self.shard_opt: torch.optim.Optimizer | None = None
+        self.deferred = Deferred(self)
         self.set_grouping(sizes or [1] * len(self.units))
         self.steps = 0  # completed synchronizations
         self._launch_ptr = 0
         self._defer_launch = True  # first backward: check for unused parameters before sending
         self._warned_missing = False
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._hyper: list[dict[str, Any]] = []
-        self._pieces: list[tuple[nn.Parameter, int, int, int, int, nn.Parameter]] = []
-        self._state_dirty = False
         # profiling of gradient-ready times (MG-WFBP)
         self.profiling = False
         self.ready_profile: list[list[float]] = []
@@ -167,21 +97,22 @@ class Engine:
         self._handles: list[Any] = []
         #: optional ``torch.amp.GradScaler`` (fp16 AMP), see :meth:`attach_scaler`
         self.scaler: Any = None
-        self._shard_view = _ShardView(self)
+        self._shard_view = ShardView(lambda: self.groups, self._step)
         self.finite_flags = StepFlags()  # finiteness of each group's synchronized gradient
         self._broadcast_initial()
         self._register_hooks()
 
     # --- set-up ----------------------------------------------------------------------------
+    def _src(self) -> int:
+        return dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
+
     def _broadcast_initial(self) -> None:
         """Start from rank 0's parameters and buffers, like DDP."""
         if not self.distributed or self.world == 1:
             return
-        src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
         with torch.no_grad():
             for t in list(self.model.parameters()) + list(self.model.buffers()):
-                accounting.broadcast(t.data, src, group=self.pg, tag=f"{self.tag}.init")
-
+                accounting.broadcast(t.data, self._src(), group=self.pg, tag=f"{self.tag}.init")
 
     def _register_hooks(self) -> None:
         for u in self.units:
@@ -191,6 +122,7 @@ class Engine:
                 self._handles.append(u.module.register_forward_pre_hook(self._on_forward_pre))
 
     def remove_hooks(self) -> None:
+        """Detach from the model (before a re-wrap builds a new engine on it)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -199,9 +131,9 @@ class Engine:
         """Re-fuse the units (forward-order unit counts per group). Nothing may be pending."""
         if any(g.pending or g.launched or g.ready for g in self.groups):
             raise RuntimeError("cannot regroup while communication is pending; flush() first")
-        if any(g.msg is not None for g in self.groups):
-            raise RuntimeError("cannot regroup while a low-rank payload is pending; flush() first")
-        if self.mode is Mode.SHARD and self.shard_opt is not None:
+        if any(g.msg is not None or g.full for g in self.groups):
+            raise RuntimeError("cannot regroup while a compressed payload is pending; flush() first")
+        if self.mode is Mode.SHARD and self.deferred.sharded is not None:
             raise RuntimeError("lee18 shards cannot be regrouped after the first step")
         self.groups = build_groups(self.units, list(sizes), self.world)
         self.sizes = list(sizes)
@@ -250,8 +182,8 @@ class Engine:
         if g.padded > g.numel:
             g.flat[g.numel :].zero_()
         g.launched = True
-        if self.codec is not None and self.codec.active:
-            self._launch_compressed(g)
+        if self.carrier is not None and self.carrier.codec.active:
+            self.carrier.launch(g)
             return
         if not self.distributed:
             if self.mode is not Mode.ALLREDUCE:
@@ -267,27 +199,6 @@ class Engine:
                 g.shard, g.flat, group=self.pg, async_op=True, tag=f"{self.tag}.rs"
             )
 
-    def _launch_compressed(self, g: Group) -> None:
-        assert self.codec is not None
-        codec, ctag = self.codec, f"{self.tag}.{self.codec.kind}"
-        # DeAR applies the decoded gradient itself: it stays in unscaled units (see _ShardView)
-        rescale = self.mode is Mode.ALLREDUCE
-        msg = codec.begin(g, pad_to=self.world if self.mode is Mode.DEAR else 1, rescale=rescale)
-        while not msg.final:  # PowerSGD's P: needed before Q can be computed
-            if self.distributed:
-                accounting.all_reduce(msg.buf, group=self.pg, tag=f"{ctag}.{msg.name}")
-            msg = codec.advance(msg)
-        g.msg = msg
-        if not self.distributed:
-            return
-        if self.mode is Mode.ALLREDUCE:
-            g.work = accounting.all_reduce(msg.buf, group=self.pg, async_op=True, tag=f"{ctag}.{msg.name}")
-        else:
-            msg.shard = msg.buf.new_empty(msg.buf.numel() // self.world)
-            g.work = accounting.reduce_scatter_tensor(
-                msg.shard, msg.buf, group=self.pg, async_op=True, tag=f"{ctag}.{msg.name}.rs"
-            )
-
     def _missing(self) -> list[tuple[Group, int]]:
         return [(g, i) for g in self.groups for i in range(len(g.params)) if i not in g.ready]
 
@@ -301,7 +212,8 @@ class Engine:
             if not self._warned_missing:
                 warnings.warn(
                     f"{len(missing)} parameters got no gradient this step (e.g. "
-                    f"{_names([g.names[i] for g, i in missing])}); sending zeros for them"
+                    f"{name_list([g.names[i] for g, i in missing])}); sending zeros for them",
+                    stacklevel=2,
                 )
                 self._warned_missing = True
             for g, i in missing:
@@ -309,63 +221,49 @@ class Engine:
                 g.ready.add(i)
         self._try_launch()
         self.finite_flags.clear()
-        for k in range(len(self.groups) - 1, -1, -1):
-            g = self.groups[k]
-            if g.work is not None:
-                g.work.wait()  # type: ignore[attr-defined]
-                g.work = None
-            msg = g.msg
-            if msg is not None and self.mode is Mode.DEAR:
-                # summed factor shard: all-gathered and decoded before the next forward
-                self.finite_flags.note(finite_flag(msg.shard if msg.shard is not None else msg.buf))
-            elif self.mode is Mode.ALLREDUCE:
-                if msg is not None:
-                    assert self.codec is not None
-                    self.codec.finish(msg)  # type: ignore[arg-type]
-                    g.msg = None
-                else:
-                    g.flat.div_(self.world)
-                self.finite_flags.note(finite_flag(g.flat[: g.numel]))
-                for i, p in enumerate(g.params):
-                    avg = g.slice_of(i).view_as(p)
-                    if p.grad is None:
-                        p.grad = avg.clone()
-                    else:
-                        p.grad.copy_(avg)
-            else:
-                g.shard.div_(self.world)
-                self.finite_flags.note(finite_flag(g.shard))
+        for g in reversed(self.groups):
+            self.finite_flags.note(finite_flag(self._settle(g)))
             g.ready.clear()
             g.launched = False
         self._launch_ptr = 0
         self.steps += 1
         if self.codec is not None:
-            self.codec.step += 1
+            self.codec.end_step()
         if self.profiling:
             self.ready_profile.append(list(self._unit_ready))
             self._unit_ready = [0.0] * len(self.units)
         for cb in list(self.on_synced):
             cb(self)
 
-    def _check_unused(self, missing: list[tuple[Group, int]]) -> None:
-        """First backward: refuse parameters that received no gradient, on every rank at once.
+    def _settle(self, g: Group) -> torch.Tensor:
+        """Complete group ``g``'s backward exchange; return what carries its finiteness."""
+        if g.work is not None:
+            g.work.wait()  # type: ignore[attr-defined]
+            g.work = None
+        if g.msg is not None:
+            assert self.carrier is not None
+            synced = self.carrier.settle(g)
+        elif self.mode is Mode.ALLREDUCE:
+            g.flat.div_(self.world)
+            synced = g.flat[: g.numel]
+        else:
+            g.shard.div_(self.world)
+            synced = g.shard
+        if self.mode is Mode.ALLREDUCE:
+            for i, p in enumerate(g.params):
+                avg = g.slice_of(i).view_as(p)
+                if p.grad is None:
+                    p.grad = avg.clone()
+                else:
+                    p.grad.copy_(avg)
+        return synced
 
-        The count lives on the gradients' device (a process group on NCCL alone has no CPU
-        backend). Reading it back is one host sync, on the first backward only: whether to
-        raise has to be decided on the host, identically on every rank.
-        """
-        device = self.groups[0].flat.device if self.groups else torch.device("cpu")
-        count = torch.tensor([float(len(missing))], device=device)
-        if self.distributed and self.world > 1:
-            accounting.all_reduce(count, group=self.pg, tag=f"{self.tag}.check")
-        total = int(count.item())
-        if total > 0:
-            local = _names([g.names[i] for g, i in missing]) if missing else "none on this rank"
-            raise UsageError(
-                f"{total} trainable parameters (summed over ranks) got no gradient in "
-                f"the first backward ({local}); the scheduling engine needs every trainable "
-                "parameter used in each step: freeze unused ones with requires_grad_(False)"
-            )
+    def _check_unused(self, missing: list[tuple[Group, int]]) -> None:
+        def reduce(count: torch.Tensor) -> None:
+            if self.distributed and self.world > 1:
+                accounting.all_reduce(count, group=self.pg, tag=f"{self.tag}.check")
+
+        check_unused(self.groups, missing, reduce)
 
     # --- AMP and non-finite steps ---------------------------------------------------------
     def attach_scaler(self, scaler: Any) -> None:
@@ -373,8 +271,8 @@ class Engine:
         codec keeps its state in unscaled units, :meth:`unscale_` and :meth:`optimizer_step`
         follow GradScaler's semantics (unscale, skip the step on inf/NaN, ``update`` after)."""
         self.scaler = scaler
-        if self.codec is not None:
-            self.codec.attach_scaler(scaler)
+        if self.carrier is not None:
+            self.carrier.scaler = scaler
 
     def _active_scaler(self) -> Any:
         s = self.scaler
@@ -386,10 +284,7 @@ class Engine:
         scaler = self._active_scaler()
         if scaler is None:
             return
-        if self.mode is Mode.ALLREDUCE:
-            scaler.unscale_(optimizer)
-        else:
-            scaler.unscale_(self._shard_view)
+        scaler.unscale_(optimizer if self.mode is Mode.ALLREDUCE else self._shard_view)
 
     def nonfinite_this_step(self) -> torch.Tensor | None:
         """0-dim bool device tensor: this step's synchronized gradient has a non-finite
@@ -397,10 +292,11 @@ class Engine:
         return self.finite_flags.nonfinite()
 
     def skip_step(self) -> None:
-        """Skip this step's update: drop the summed factor shards DeAR would decode at the
-        next forward (the codec keeps its factors unless the aggregate was finite)."""
+        """Skip this step's update: drop the summed message shards DeAR would decode at the
+        next forward and any decoded gradient (the codec kept its state unless it was finite)."""
         for g in self.groups:
             g.msg = None
+            g.full = False
 
     # --- update -----------------------------------------------------------------------------
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -424,219 +320,20 @@ class Engine:
             self.skip_step()
 
     def _step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Sharded modes: record (DeAR) or run (lee18) the update, start the all-gathers."""
-        self.optimizer = optimizer
-        if self.mode is Mode.DEAR:
-            self._hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
-        else:
-            self._shard_step(optimizer)
-        for g in self.groups:
-            g.pending = True
-        self._launch_ag(self.groups[0])
-
-    def _launch_ag(self, g: Group) -> None:
-        if not g.pending or g.ag_work is not None:
-            return
-        msg: Message | None = g.msg  # type: ignore[assignment]
-        if msg is not None:  # DeAR + ACP-SGD: gather the summed factor shards
-            if self.distributed:
-                assert self.codec is not None
-                tag = f"{self.tag}.{self.codec.kind}.{msg.name}.ag"
-                g.ag_work = accounting.all_gather_into_tensor(
-                    msg.buf, msg.shard, group=self.pg, async_op=True, tag=tag
-                )
-            else:
-                g.ag_work = True
-            return
-        src = g.shard if self.mode is Mode.DEAR else g.param_shard  # type: ignore[attr-defined]
-        if not self.distributed:
-            g.flat.copy_(src)
-            g.ag_work = True
-            return
-        g.ag_work = accounting.all_gather_into_tensor(
-            g.flat, src, group=self.pg, async_op=True, tag=f"{self.tag}.ag"
-        )
+        self.deferred.step(optimizer)
 
     def _on_forward_pre(self, module: nn.Module, _args: Any) -> None:
         gi = self._module_group.get(id(module))
         if gi is not None:
-            self.ensure_ready(gi)
+            self.deferred.ensure_ready(gi)
 
     def ensure_ready(self, gi: int) -> None:
-        """Make group ``gi``'s parameters current; start the next pending group's all-gather."""
-        g = self.groups[gi]
-        if not g.pending:
-            return
-        self._launch_ag(g)
-        if g.ag_work is not True:
-            with timing.measure("comm_wait"):  # exposed all-gather wait inside forward
-                g.ag_work.wait()  # type: ignore[union-attr]
-        g.ag_work = None
-        g.pending = False
-        for nxt in self.groups[gi + 1 :]:
-            if nxt.pending:
-                self._launch_ag(nxt)
-                break
-        if g.msg is not None:
-            assert self.codec is not None
-            self.codec.finish(g.msg)  # type: ignore[arg-type]  # averaged gradient -> g.flat
-            g.msg = None
-        if self.mode is Mode.DEAR:
-            self._apply_dear_update(g)
-        else:
-            with torch.no_grad():
-                for i, p in enumerate(g.params):
-                    p.copy_(g.slice_of(i).view_as(p))
-
-    def _apply_dear_update(self, g: Group) -> None:
-        opt = self.optimizer
-        assert opt is not None
-        members = {id(p) for p in g.params}
-        for i, p in enumerate(g.params):
-            p.grad = g.slice_of(i).view_as(p)
-        original = opt.param_groups
-        subset = []
-        for pg, hyper in zip(original, self._hyper):
-            params = [p for p in pg["params"] if id(p) in members]
-            if params:
-                subset.append({**pg, **hyper, "params": params})
-        try:
-            opt.param_groups = subset
-            opt.step()
-        finally:
-            opt.param_groups = original
-            for p in g.params:
-                p.grad = None
+        """Make group ``gi``'s parameters current (sharded modes; see :mod:`lowcomm.sched.deferred`)."""
+        self.deferred.ensure_ready(gi)
 
     def flush(self) -> None:
         """Complete all pending all-gathers/updates so the weights are whole."""
-        for g in self.groups:
-            self.ensure_ready(g.index)
-        if self.mode is Mode.SHARD and self._state_dirty and self.optimizer is not None:
-            self._consolidate_state(self.optimizer)
-
-    # --- lee18: sharded optimizer -----------------------------------------------------------
-    def _shard_range(self, g: Group) -> tuple[int, int]:
-        s = g.shard.numel()
-        return self.rank * s, (self.rank + 1) * s
-
-    def _build_shard_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        pieces_of: dict[int, nn.Parameter] = {}
-        self._pieces = []
-        for g in self.groups:
-            lo, hi = self._shard_range(g)
-            g.param_shard = torch.zeros_like(g.shard)  # type: ignore[attr-defined]
-            for i, p in enumerate(g.params):
-                o = g.offsets[i]
-                a, b = max(lo, o), min(hi, o + p.numel())
-                if b <= a:
-                    # empty piece: keeps per-parameter state (e.g. AdamW's step) on every rank
-                    piece = nn.Parameter(g.param_shard[0:0])  # type: ignore[attr-defined]
-                    piece.grad = g.shard[0:0]
-                    pieces_of[id(p)] = piece
-                    self._pieces.append((p, g.index, i, 0, 0, piece))
-                    continue
-                view = g.param_shard[a - lo : b - lo]  # type: ignore[attr-defined]
-                with torch.no_grad():
-                    view.copy_(p.detach().reshape(-1)[a - o : b - o])
-                piece = nn.Parameter(view)
-                piece.grad = g.shard[a - lo : b - lo]
-                pieces_of[id(p)] = piece
-                self._pieces.append((p, g.index, i, a - o, b - o, piece))
-        groups = []
-        for pg in optimizer.param_groups:
-            ps = [pieces_of[id(p)] for p in pg["params"] if id(p) in pieces_of]
-            groups.append({**{k: v for k, v in pg.items() if k != "params"}, "params": ps})
-        groups = [g for g in groups if g["params"]]
-        cls = type(optimizer)
-        accepted = inspect.signature(cls.__init__).parameters
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        try:
-            self.shard_opt = cls(groups, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            raise UsageError(
-                f"lee18 could not build a sharded copy of {cls.__name__} ({e}); it needs an "
-                "elementwise torch optimizer such as SGD, Adam or AdamW"
-            ) from None
-        self._user_groups = [
-            [id(p) for p in pg["params"] if id(p) in pieces_of] for pg in optimizer.param_groups
-        ]
-
-    def _import_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take this rank's slice of any full optimizer state (checkpoint or consolidation)."""
-        assert self.shard_opt is not None
-        for p, _gi, _i, a, b, piece in self._pieces:
-            full = optimizer.state.pop(p, None)
-            if not full:
-                continue
-            st = {}
-            for k, v in full.items():
-                if torch.is_tensor(v) and v.shape == p.shape:
-                    st[k] = v.detach().reshape(-1)[a:b].clone()
-                else:
-                    st[k] = v.clone() if torch.is_tensor(v) else v
-            self.shard_opt.state[piece] = st
-
-    def _shard_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.shard_opt is None:
-            self._build_shard_optimizer(optimizer)
-        assert self.shard_opt is not None
-        self._import_state(optimizer)
-        live = [pg for pg, ids in zip(optimizer.param_groups, self._user_groups) if ids]
-        for upg, spg in zip(live, self.shard_opt.param_groups):
-            for k, v in upg.items():
-                if k != "params":
-                    spg[k] = v
-        for _p, gi, _i, a, b, piece in self._pieces:
-            g = self.groups[gi]
-            lo = self._shard_range(g)[0]
-            off = g.offsets[_i]
-            piece.grad = g.shard[off + a - lo : off + b - lo] if b > a else g.shard[0:0]
-        self.shard_opt.step()
-        self._state_dirty = True
-
-    def _consolidate_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """All-gather the shard optimizer state into ``optimizer.state`` as full tensors."""
-        assert self.shard_opt is not None
-        by_group: dict[int, list[tuple[nn.Parameter, int, int, int, nn.Parameter]]] = {}
-        for p, gi, i, a, b, piece in self._pieces:
-            by_group.setdefault(gi, []).append((p, i, a, b, piece))
-        for gi, items in by_group.items():
-            g = self.groups[gi]
-            lo = self._shard_range(g)[0]
-            keys = sorted(
-                {
-                    k
-                    for _p, _i, _a, _b, piece in items
-                    for k, v in self.shard_opt.state.get(piece, {}).items()
-                    if torch.is_tensor(v) and v.shape == piece.shape
-                }
-            )
-            full_by_key = {}
-            for k in keys:
-                local = torch.zeros_like(g.shard)
-                for _p, i, a, b, piece in items:
-                    v = self.shard_opt.state.get(piece, {}).get(k)
-                    if v is not None and b > a:
-                        start = g.offsets[i] + a - lo
-                        local[start : start + (b - a)] = v
-                full = torch.empty_like(g.flat)
-                if self.distributed:
-                    accounting.all_gather_into_tensor(full, local, group=self.pg, tag=f"{self.tag}.state")
-                else:
-                    full.copy_(local)
-                full_by_key[k] = full
-            for p, i, _a, _b, piece in items:
-                st: dict[str, Any] = {}
-                for k, v in self.shard_opt.state.get(piece, {}).items():
-                    if k in full_by_key:
-                        o = g.offsets[i]
-                        st[k] = full_by_key[k][o : o + p.numel()].view_as(p).clone()
-                    else:
-                        st[k] = v.clone() if torch.is_tensor(v) else v
-                if st:
-                    optimizer.state[p] = st
-        self._state_dirty = False
+        self.deferred.flush()
 
     # --- gradient clipping ------------------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -644,42 +341,40 @@ class Engine:
         if self.mode is Mode.ALLREDUCE:
             params = [p for u in self.units for p in u.params]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
-        if self.codec is not None:  # refused from step 0, not only once compression starts
+        if self.carrier is not None and self.carrier.scatters and self.mode is Mode.DEAR:
+            # refused from step 0, not only once compression starts
             raise UsageError(
-                f"{self.tag}: gradient clipping is not available with compress="
-                f"{self.codec.kind if self.codec else '?'}: between backward and the step this "
-                "schedule holds only shards of the summed low-rank factors, not the gradient "
-                "(use wfbp/mgwfbp with compression, or dear without it)"
+                f"{self.tag}: gradient clipping is not available with compress={self.carrier.codec.name}: "
+                "between backward and the step this schedule holds only shards of the summed "
+                "compressed message, not the gradient (use wfbp/mgwfbp with compression, or dear "
+                "without it)"
             )
         if float(norm_type) != 2.0:
             raise UsageError(f"{self.tag}: only norm_type=2 clipping is supported, got {norm_type}")
-        sq = torch.zeros(1, dtype=torch.float64, device=self.groups[0].shard.device)
-        for g in self.groups:
-            sq += g.shard.double().pow(2).sum()
-        if self.distributed and self.world > 1:
-            accounting.all_reduce(sq, group=self.pg, tag=f"{self.tag}.clip")
-        total = sq.sqrt().to(self.groups[0].shard.dtype)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            for g in self.groups:
-                g.shard.mul_(coef)
-        return total.squeeze(0)
+
+        def reduce(sq: torch.Tensor) -> None:
+            if self.distributed and self.world > 1:
+                accounting.all_reduce(sq, group=self.pg, tag=f"{self.tag}.clip")
+
+        return clip_sharded_(self.groups, self.rank, reduce, max_norm)
 
     # --- forward helpers --------------------------------------------------------------------
     def before_forward(self) -> None:
+        """Broadcast rank 0's buffers (BatchNorm statistics), like DDP, before a training forward."""
         if self.broadcast_buffers and self.distributed and self.world > 1 and self.model.training:
             bufs = [b for b in self.model.buffers() if b.numel()]
             if bufs:
                 flat = torch._utils._flatten_dense_tensors([b.data for b in bufs])
-                src = dist.get_global_rank(self.pg, 0) if self.pg is not None else 0
-                accounting.broadcast(flat, src, group=self.pg, tag=f"{self.tag}.buffers")
+                accounting.broadcast(flat, self._src(), group=self.pg, tag=f"{self.tag}.buffers")
                 for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
                     b.data.copy_(v)
 
     def after_forward(self) -> None:
+        """Note when forward ended (MG-WFBP measures gradient-ready times from here)."""
         self._fwd_end = time.perf_counter()
 
     def describe(self) -> dict[str, Any]:
+        """Mode, grouping and codec, for the run summary."""
         d = {
             "mode": self.mode.value,
             "groups": len(self.groups),
@@ -697,14 +392,16 @@ class ScheduledModule(nn.Module):
     Like DDP, the model is available as ``.module`` (state-dict keys get a ``module.`` prefix).
     """
 
+    engine: Engine
+
     def __init__(self, module: nn.Module, engine: Engine) -> None:
         super().__init__()
         self.module = module
         object.__setattr__(self, "engine", engine)  # not a submodule
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Forward with the engine's buffer broadcast before and its timing stamp after."""
         self.engine.before_forward()
         out = self.module(*args, **kwargs)
         self.engine.after_forward()
         return out
-

@@ -11,6 +11,7 @@ produce and what rank 0 broadcasts so every rank uses the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,10 +32,12 @@ class Unit:
 
     @property
     def numel(self) -> int:
+        """Elements of the unit's parameters."""
         return sum(p.numel() for p in self.params)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the unit's parameters (the gradient bytes it sends uncompressed)."""
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
@@ -64,6 +67,7 @@ def collect_units(model: nn.Module) -> list[Unit]:
 
 
 def check_sizes(sizes: list[int], n_units: int) -> None:
+    """Refuse a grouping that does not cover every unit exactly once."""
     if any(s <= 0 for s in sizes) or sum(sizes) != n_units:
         raise ValueError(f"group sizes {sizes} do not partition {n_units} units")
 
@@ -105,13 +109,16 @@ class Group:
     launched: bool = False
     pending: bool = False  # a deferred all-gather / update still has to happen
     ag_work: object | None = None
-    msg: object | None = None  # low-rank payload in flight (lowcomm.sched.lowrank.Message)
+    msg: object | None = None  # compressed payload in flight (lowcomm.sched.payload.InFlight)
+    full: bool = False  # dear: g.flat holds the full decoded mean (no all-gather needed)
 
     @property
     def shard_numel(self) -> int:
+        """Elements of this rank's shard."""
         return self.shard.numel()
 
     def slice_of(self, i: int) -> torch.Tensor:
+        """Group-buffer view of parameter ``i``'s gradient."""
         p = self.params[i]
         return self.flat[self.offsets[i] : self.offsets[i] + p.numel()]
 
@@ -136,3 +143,31 @@ def build_groups(units: list[Unit], sizes: list[int], world_size: int) -> list[G
         shard = torch.zeros(padded // world_size, dtype=ref.dtype, device=ref.device)
         groups.append(Group(gi, members, params, names, offsets, off, padded, flat, shard))
     return groups
+
+
+def name_list(names: list[str], limit: int = 5) -> str:
+    """``a, b, c and 4 more``: parameter names for a message."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_unused(groups: list[Group], missing: list[tuple[Group, int]],
+                 reduce: Callable[[torch.Tensor], None]) -> None:
+    """First backward: refuse parameters that received no gradient, on every rank at once
+    (``reduce`` sums a tensor over the ranks).
+
+    The count lives on the gradients' device (a process group on NCCL alone has no CPU
+    backend). Reading it back is one host sync, on the first backward only: whether to
+    raise has to be decided on the host, identically on every rank.
+    """
+    device = groups[0].flat.device if groups else torch.device("cpu")
+    count = torch.tensor([float(len(missing))], device=device)
+    reduce(count)
+    total = int(count.item())
+    if total > 0:
+        local = name_list([g.names[i] for g, i in missing]) if missing else "none on this rank"
+        raise UsageError(
+            f"{total} trainable parameters (summed over ranks) got no gradient in "
+            f"the first backward ({local}); the scheduling engine needs every trainable "
+            "parameter used in each step: freeze unused ones with requires_grad_(False)"
+        )

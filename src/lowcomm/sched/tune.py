@@ -14,9 +14,16 @@ import importlib.util
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+
+from lowcomm.comm import accounting
 from lowcomm.errors import UsageError
+
+if TYPE_CHECKING:
+    from lowcomm.sched.engine import Engine
 
 MB = 1024 * 1024
 #: bayes_opt's ``acquisition`` module and argument-free ``suggest()`` (used below) exist from
@@ -51,6 +58,8 @@ def check_bayes_opt() -> None:
 
 @dataclass
 class Trial:
+    """One measured threshold: the fusion size and the iteration time it gave."""
+
     threshold_mb: float
     iter_time_s: float
 
@@ -90,6 +99,7 @@ class ThresholdTuner:
 
     @property
     def done(self) -> bool:
+        """Whether every trial has been measured."""
         return len(self.history) >= self.trials
 
     def suggest(self) -> float:
@@ -100,10 +110,12 @@ class ThresholdTuner:
         return float(2.0 ** float(x))
 
     def report(self, threshold_mb: float, iter_time_s: float) -> None:
+        """Record the measured iteration time of a threshold (the tuner maximizes its negative)."""
         self.history.append(Trial(threshold_mb, iter_time_s))
         self._bo.register(params={"log2_mb": math.log2(threshold_mb)}, target=-iter_time_s)
 
     def best(self) -> Trial:
+        """The fastest trial measured so far."""
         if not self.history:
             raise RuntimeError("no trials measured yet")
         return min(self.history, key=lambda t: t.iter_time_s)
@@ -113,3 +125,37 @@ def window_time(stamps: list[float]) -> float:
     """Median iteration time from consecutive step time stamps."""
     diffs = [b - a for a, b in zip(stamps, stamps[1:])]
     return statistics.median(diffs) if diffs else float("inf")
+
+
+# --- every rank takes rank 0's decision ----------------------------------------------------
+def control_device(engine: Engine) -> torch.device:
+    """Where small control tensors (plans, timings) travel: the gradients' device.
+
+    A process group on NCCL alone has no CPU backend, so a CPU control tensor would fail
+    there; on the training device every backend the gradients use carries it too.
+    """
+    if engine.groups:
+        return engine.groups[0].flat.device
+    return next((p.device for u in engine.units for p in u.params), torch.device("cpu"))
+
+
+def agree(sizes: list[int], n_units: int, engine: Engine, *, tag: str) -> list[int]:
+    """Rank 0's grouping, broadcast so every rank fuses identically."""
+    if not (engine.distributed and engine.world > 1):
+        return sizes
+    plan = torch.zeros(n_units, dtype=torch.int64)
+    plan[: len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
+    plan = plan.to(control_device(engine))
+    src = dist.get_global_rank(engine.pg, 0) if engine.pg is not None else 0
+    accounting.broadcast(plan, src, group=engine.pg, tag=tag)
+    return [int(x) for x in plan.tolist() if x > 0]
+
+
+def agree_float(value: float, engine: Engine, *, tag: str) -> float:
+    """Rank 0's ``value`` on every rank (a tuner's suggestion)."""
+    if not (engine.distributed and engine.world > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=control_device(engine))
+    src = dist.get_global_rank(engine.pg, 0) if engine.pg is not None else 0
+    accounting.broadcast(t, src, group=engine.pg, tag=tag)
+    return float(t.item())

@@ -8,9 +8,9 @@
 from __future__ import annotations
 
 from lowcomm.sim.network import PRESETS, Link, NetworkModel, parse_network
-from lowcomm.sim.predict import Prediction, make_schedule, predict_iteration_time, simulate
+from lowcomm.sim.predict import Prediction, predict_iteration_time, simulate
 from lowcomm.sim.profile import ComputeCosts, LayerProfile, Profile
-from lowcomm.sim.schedules import SCHEDULES, method_names
+from lowcomm.sim.schedules import SCHEDULES, make_schedule, method_names
 
 __all__ = [
     "PRESETS",

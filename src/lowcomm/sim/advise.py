@@ -1,8 +1,10 @@
 """Sweep methods and worker counts; pick the fastest method and say what it may cost in accuracy.
 
-The caveats are the conditions under which each method is known to keep accuracy (from the
-method papers and the project's own MNIST-1D benchmark when its results are in
-``docs/``); the simulator predicts speed only, never accuracy.
+The candidates are read from the registries, not listed here: ``ssgd``, the engine
+schedules, every registered codec (:data:`lowcomm.compress.codec.CODECS`) and
+``pufferfish``, so a new compressor is advised the day it registers. The caveats are the
+conditions under which each method is known to keep accuracy, declared where the method is
+(``Codec.caveat``, ``Schedule.caveat``); the simulator predicts speed only, never accuracy.
 """
 
 from __future__ import annotations
@@ -10,46 +12,62 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.predict import Prediction, predict_iteration_time
 from lowcomm.sim.profile import Profile
+from lowcomm.sim.schedules import SCHEDULES
 
-#: Methods the advisor considers (nocomm is a measurement baseline, not a training method).
-CANDIDATES = ("ssgd", "fp16", "bf16", "wfbp", "mgwfbp", "dear", "lee18", "powersgd", "acpsgd",
-              "signsgd", "signum", "topk", "gtopk", "pufferfish")
-
-#: Methods whose updates equal ssgd's (scheduling only).
-EXACT = ("ssgd", "wfbp", "mgwfbp", "dear", "lee18")
 #: A lossy method is recommended only if it beats the best exact one by more than this.
 LOSSY_MARGIN = 0.05
 
-CAVEATS: dict[str, str] = {
-    "ssgd": "exact synchronous SGD: the accuracy reference.",
-    "fp16": "fp16 gradients can overflow/underflow without loss scaling; usually accuracy-neutral.",
-    "bf16": "bf16 keeps fp32's range but only 8 bits of mantissa; usually accuracy-neutral.",
-    "wfbp": "same updates as ssgd (scheduling only).",
-    "mgwfbp": "same updates as ssgd (scheduling only).",
-    "dear": "same updates as ssgd (scheduling only); the update is applied in the next "
-            "forward, so evaluation/checkpoints need a flush.",
-    "lee18": "same updates as ssgd; optimizer state is sharded across workers.",
-    "powersgd": "lossy: needs error feedback (on by default) and a few full-precision warm-up "
-                "steps (start_iter); too small a rank can cost accuracy.",
-    "acpsgd": "lossy like Power-SGD: needs error feedback and warm-up steps; alternating P/Q "
-              "converges slightly differently, check the rank on your task.",
-    "signsgd": "1-bit: needs error feedback to converge like SGD; traffic grows with P "
-               "(all-gather).",
-    "signum": "majority vote without error feedback: may lose accuracy, tune the momentum; "
-              "traffic grows with P (all-gather).",
-    "topk": "sparse: needs error feedback; very low density slows convergence; traffic grows "
-            "with P (all-gather).",
-    "gtopk": "global top-k: needs error feedback; keeps only k values worldwide per step.",
-    "pufferfish": "trains a smaller low-rank model: needs full-rank warm-up epochs and may lose "
-                  "some accuracy versus the full model.",
-}
+
+def candidates(profile: Profile | None = None) -> list[str]:
+    """Methods the advisor compares: every advised schedule and every registered codec
+    (``pufferfish`` only when ``profile`` is None or has a factorized model)."""
+    schedules = [n for n, cls in SCHEDULES.items() if cls.advised]
+    pufferfish = [n for n in schedules if n == "pufferfish"]
+    out = [n for n in schedules if n not in pufferfish] + CODECS.names() + pufferfish
+    if profile is not None and profile.factorized is None:
+        out = [n for n in out if n not in pufferfish]
+    return out
+
+
+def _parts(spec: str) -> tuple[str, str | None]:
+    """(method name, codec carried or None) of a method spec."""
+    name, _, opts = spec.partition(":")
+    name = name.strip()
+    if name in CODECS and name not in SCHEDULES:
+        return name, name
+    for item in opts.split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "compress" and value.strip().lower() not in ("", "none"):
+            return name, value.strip().lower()
+    return name, None
+
+
+def is_exact(spec: str) -> bool:
+    """Same updates as synchronous SGD: an exact schedule carrying no codec."""
+    name, codec = _parts(spec)
+    cls = SCHEDULES.get(name)
+    return codec is None and cls is not None and cls.exact
+
+
+def caveat(spec: str) -> str:
+    """What the method may cost in accuracy: its schedule's and its codec's caveats."""
+    name, codec = _parts(spec)
+    texts = []
+    if name in SCHEDULES:
+        texts.append(SCHEDULES[name].caveat)
+    if codec is not None and codec in CODECS:
+        texts.append(codec_class(codec).caveat)
+    return " ".join(t for t in texts if t)
 
 
 @dataclass
 class Advice:
+    """The ranking at one scale and the recommendation drawn from it."""
+
     workers: int
     network: dict[str, Any]
     ranking: list[Prediction]
@@ -60,38 +78,40 @@ class Advice:
     def best(self) -> Prediction:
         """The fastest method, unless an exact one is within :data:`LOSSY_MARGIN` of it."""
         fastest = self.ranking[0]
-        exact = next((p for p in self.ranking if p.method.split(":")[0] in EXACT), None)
+        exact = next((p for p in self.ranking if is_exact(p.method)), None)
         if exact is not None and exact.iter_time_s <= fastest.iter_time_s * (1 + LOSSY_MARGIN):
             return exact
         return fastest
 
     def speedup(self, p: Prediction) -> float:
+        """Predicted speed-up of ``p`` over ``ssgd`` at the same scale."""
         return self.baseline.iter_time_s / p.iter_time_s
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON form (``lowcomm advise --json``)."""
         return {
             "workers": self.workers,
             "network": self.network,
             "recommended": self.best.method,
             "predicted_speedup_vs_ssgd": self.speedup(self.best),
-            "caveat": CAVEATS.get(self.best.method.split(":")[0], ""),
-            "ranking": [dict(p.as_dict(), speedup_vs_ssgd=self.speedup(p),
-                             caveat=CAVEATS.get(p.method.split(":")[0], ""))
+            "caveat": caveat(self.best.method),
+            "ranking": [dict(p.as_dict(), speedup_vs_ssgd=self.speedup(p), caveat=caveat(p.method))
                         for p in self.ranking],
             "skipped": self.skipped,
         }
 
 
 def advise(profile: Profile, *, workers: int, network: NetworkModel,
-           methods: tuple[str, ...] | list[str] = CANDIDATES, bucket_mb: float = 25.0) -> Advice:
+           methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float = 25.0) -> Advice:
     """Predict every applicable method and rank them by iteration time (fastest first).
 
-    ``dear`` is simulated with its tuner on (``dear:tune=true``) unless options are given.
+    ``methods``: default :func:`candidates`. ``dear`` is simulated with its tuner on
+    (``dear:tune=true``) unless options are given.
     """
-    methods = ["dear:tune=true" if m == "dear" else m for m in methods]
+    specs = ["dear:tune=true" if m == "dear" else m for m in (methods or candidates())]
     preds: list[Prediction] = []
     skipped: dict[str, str] = {}
-    for m in methods:
+    for m in specs:
         if m.split(":")[0] == "pufferfish" and profile.factorized is None:
             skipped[m] = "profile has no factorized model"
             continue

@@ -18,9 +18,10 @@ from typing import Any
 
 from lowcomm.errors import UsageError, check_count, check_positive
 from lowcomm.methods import split_list
-from lowcomm.sim.advise import CANDIDATES, CAVEATS, advise
+from lowcomm.sim.advise import advise, candidates, caveat
 from lowcomm.sim.network import parse_network
-from lowcomm.sim.predict import make_schedule, predict_iteration_time
+from lowcomm.sim.predict import Prediction, predict_iteration_time
+from lowcomm.sim.schedules import make_schedule
 from lowcomm.sim.profile import Profile
 
 
@@ -40,6 +41,7 @@ def split_methods(text: str) -> list[str]:
 
 
 def parse_workers(text: str) -> list[int]:
+    """``--workers``: comma-separated counts, refused in one line before any work."""
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -121,6 +123,7 @@ def measure_profile(model_name: str, batch_size: int, device: str, *, iters: int
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    """``lowcomm profile``: measure a model and write its profile JSON."""
     prof = measure_profile(args.model, args.batch_size, args.device, iters=args.iters,
                            warmup=args.warmup, factorized=not args.no_factorized)
     out = Path(args.out or f"profile-{args.model}-b{args.batch_size}.json")
@@ -142,14 +145,18 @@ def run_profile(args: argparse.Namespace) -> int:
 # -- simulate -----------------------------------------------------------------------------
 def simulate_table(prof: Profile, methods: list[str], workers: list[int],
                    net_spec: str, *, bucket_mb: float = 25.0) -> dict[str, Any]:
+    """Every method at every worker count, with speed-up and scaling efficiency (JSON-ready)."""
     net = parse_network(net_spec)
-    kw = {"network": net, "bucket_mb": bucket_mb}
-    single = predict_iteration_time(prof, "ssgd", workers=1, **kw).iter_time_s
+
+    def predict(method: str, p: int) -> Prediction:
+        return predict_iteration_time(prof, method, workers=p, network=net, bucket_mb=bucket_mb)
+
+    single = predict("ssgd", 1).iter_time_s
     rows = []
     for p in workers:
-        base = predict_iteration_time(prof, "ssgd", workers=p, **kw)
+        base = predict("ssgd", p)
         for m in methods:
-            pred = base if m == "ssgd" else predict_iteration_time(prof, m, workers=p, **kw)
+            pred = base if m == "ssgd" else predict(m, p)
             rows.append(dict(pred.as_dict(),
                              scaling_efficiency=single / pred.iter_time_s,
                              speedup_vs_ssgd=base.iter_time_s / pred.iter_time_s))
@@ -164,6 +171,7 @@ def simulate_table(prof: Profile, methods: list[str], workers: list[int],
 
 
 def print_results(rows: list[dict[str, Any]]) -> None:
+    """The ``simulate`` table, one row per method and worker count."""
     head = f"{'method':<22}{'P':>6}{'iter ms':>11}{'samples/s':>12}{'eff':>7}{'vs ssgd':>9}" \
            f"{'MB/iter':>10}{'exposed ms':>12}"
     print(head)
@@ -176,6 +184,7 @@ def print_results(rows: list[dict[str, Any]]) -> None:
 
 
 def plot_speedup(result: dict[str, Any], path: str) -> None:
+    """``--plot``: predicted speed-up vs workers, one line per method."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,10 +206,12 @@ def plot_speedup(result: dict[str, Any], path: str) -> None:
 
 
 def default_methods(prof: Profile) -> list[str]:
-    return [m for m in CANDIDATES if m != "pufferfish" or prof.factorized is not None]
+    """What ``simulate`` runs without ``--methods``: every advised method the profile allows."""
+    return candidates(prof)
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    """``lowcomm simulate``: predict every method at every worker count."""
     prof = Profile.load(args.profile)
     check_positive("--bucket-mb", args.bucket_mb)
     workers = parse_workers(args.workers)
@@ -223,11 +234,12 @@ def run_simulate(args: argparse.Namespace) -> int:
 
 # -- advise -------------------------------------------------------------------------------
 def run_advise(args: argparse.Namespace) -> int:
+    """``lowcomm advise``: rank the candidates at one scale and recommend one."""
     # Cheap checks first: a bad --workers must not cost a local profiling run.
     check_count("--workers", args.workers, maximum=MAX_WORKERS)
     check_positive("--bucket-mb", args.bucket_mb)
     net = parse_network(args.net)
-    methods = split_methods(args.methods) if args.methods is not None else list(CANDIDATES)
+    methods = split_methods(args.methods) if args.methods is not None else candidates()
     if args.profile:
         prof = Profile.load(args.profile)
     elif args.model:
@@ -251,7 +263,7 @@ def run_advise(args: argparse.Namespace) -> int:
     if best is not adv.ranking[0]:
         print(f"  ({adv.ranking[0].method} is predicted {adv.ranking[0].iter_time_s * 1e3:.2f} ms "
               "but changes the updates; an exact method within 5% is preferred)")
-    print(f"  caveat: {CAVEATS.get(best.method.split(':')[0], '')}")
+    print(f"  caveat: {caveat(best.method)}")
     for w in best.warnings:
         print(f"  warning: {w}")
     print("  the simulator predicts speed only; check accuracy on your task.")
@@ -261,6 +273,7 @@ def run_advise(args: argparse.Namespace) -> int:
 
 
 def register(sub: Any) -> None:
+    """Add ``profile``, ``simulate`` and ``advise`` to the ``lowcomm`` command line."""
     p = sub.add_parser("profile", help="measure per-layer times and gradient sizes of a model")
     p.add_argument("--model", required=True)
     p.add_argument("--batch-size", type=int, default=32)

@@ -50,6 +50,7 @@ class Link:
 
     @property
     def bandwidth_bits_per_s(self) -> float:
+        """Line rate in bit/s (what presets and ``--net`` rates are given in)."""
         return 8.0 / self.beta_s_per_byte if self.beta_s_per_byte > 0 else math.inf
 
 
@@ -99,6 +100,7 @@ class NetworkModel:
     # -- constructors ---------------------------------------------------------------------
     @classmethod
     def preset(cls, name: str, **kw: Any) -> NetworkModel:
+        """A named fabric (``10gbit``, ``nvlink``...; see :data:`PRESETS`)."""
         key = PRESET_ALIASES.get(name.lower(), name.lower())
         if key not in PRESETS:
             raise UsageError(f"unknown network preset {name!r}; valid: {', '.join(PRESETS)} "
@@ -116,6 +118,7 @@ class NetworkModel:
 
     @property
     def alpha_s(self) -> float:
+        """Per-message latency of the inter-node link."""
         return self.inter.alpha_s
 
     def alpha_for(self, kind: str) -> float:
@@ -133,9 +136,11 @@ class NetworkModel:
 
     @property
     def beta_s_per_byte(self) -> float:
+        """Seconds per byte of the inter-node link."""
         return self.inter.beta_s_per_byte
 
     def describe(self) -> dict[str, Any]:
+        """JSON form, recorded with every prediction so a result says which network it assumed."""
         d: dict[str, Any] = {
             "name": self.name,
             "algorithm": self.algorithm,
@@ -154,6 +159,7 @@ class NetworkModel:
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, nbytes: float, p: int) -> float:
+        """Seconds of an all-reduce of ``nbytes`` among ``p`` workers (ring, tree or hierarchical)."""
         if p <= 1:
             return 0.0
         if self.algorithm == "tree":
@@ -184,6 +190,7 @@ class NetworkModel:
         return (p - 1) * self.alpha_for("all_gather") + (p - 1) * local_nbytes * self.beta_for("all_gather")
 
     def broadcast(self, nbytes: float, p: int) -> float:
+        """Seconds of a binomial-tree broadcast of ``nbytes`` to ``p`` workers."""
         if p <= 1:
             return 0.0
         return math.ceil(math.log2(p)) * (self.alpha_for("broadcast") + nbytes * self.beta_for("broadcast"))
@@ -194,6 +201,7 @@ class NetworkModel:
 
 
 def ring_all_reduce(link: Link, nbytes: float, p: int) -> float:
+    """2(P-1)·α + 2(P-1)/P·n·β: the bandwidth-optimal all-reduce NCCL and gloo run."""
     if p <= 1:
         return 0.0
     return 2 * (p - 1) * link.alpha_s + 2 * (p - 1) / p * nbytes * link.beta_s_per_byte
@@ -239,9 +247,9 @@ def parse_network(spec: str) -> NetworkModel:
         raise UsageError("empty --net; valid presets: " + ", ".join(PRESETS))
     key = PRESET_ALIASES.get(head.lower(), head.lower())
     if key in PRESETS:
-        link, name = PRESETS[key], key
+        link = PRESETS[key]
     else:
-        link, name = _link(parse_rate(head), 50e-6), head.lower()
+        link = _link(parse_rate(head), 50e-6)
     algo, intra, gpn = "ring", None, 1
     for opt in opts:
         k, sep, v = (s.strip() for s in opt.partition("="))

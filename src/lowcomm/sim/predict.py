@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowcomm.errors import UsageError, check_positive
-from lowcomm.methods.base import parse_options
 from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.profile import Profile
-from lowcomm.sim.schedules import SCHEDULES, Schedule, Sim
+from lowcomm.sim.schedules import Schedule, Sim, make_schedule
 from lowcomm.sim.timeline import Timeline
 
 ITERATIONS = 5
@@ -22,6 +21,7 @@ ITERATIONS = 5
 
 @dataclass
 class Prediction:
+    """One method's predicted steady-state iteration at one scale (what ``simulate`` prints)."""
     method: str
     workers: int
     iter_time_s: float
@@ -36,6 +36,7 @@ class Prediction:
     timeline: Timeline | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
+        """JSON form (without the timeline)."""
         return {
             "method": self.method,
             "workers": self.workers,
@@ -46,25 +47,6 @@ class Prediction:
             "network": dict(self.network),
             "warnings": list(self.warnings),
         }
-
-
-def make_schedule(method_spec: str) -> Schedule:
-    name, _, opts = method_spec.strip().partition(":")
-    name = name.strip()
-    if name not in SCHEDULES:
-        import difflib
-
-        close = difflib.get_close_matches(name, SCHEDULES, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise UsageError(f"the simulator has no method {name!r}{hint}; valid: "
-                         f"{', '.join(sorted(SCHEDULES))}")
-    cls = SCHEDULES[name]
-    from lowcomm import methods
-
-    if name in methods.names(include_timing_only=True):
-        # the method's own options: same names, defaults and validation as training
-        return cls(methods.create(method_spec).options)
-    return cls(parse_options(name, cls.Options, opts))
 
 
 def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,

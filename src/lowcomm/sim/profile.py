@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 
 @dataclass
 class LayerProfile:
+    """One layer's measured forward and backward time and its parameter shapes."""
     name: str
     forward_s: float
     backward_s: float
@@ -34,6 +35,7 @@ class LayerProfile:
 
     @property
     def numel(self) -> int:
+        """Parameters of the layer."""
         return sum(math.prod(s) for s in self.param_shapes)
 
 
@@ -57,11 +59,13 @@ class ComputeCosts:
 
     @property
     def is_zero(self) -> bool:
+        """No constants measured: compression work would be counted as free (and is flagged)."""
         return not any(vars(self).values())
 
 
 @dataclass
 class Profile:
+    """A model measured on one device: everything the schedules replay at any scale."""
     model: str
     batch_size: int
     layers: list[LayerProfile]
@@ -77,10 +81,12 @@ class Profile:
     # -- derived --------------------------------------------------------------------------
     @property
     def forward_s(self) -> float:
+        """Forward time of the whole model."""
         return sum(layer.forward_s for layer in self.layers)
 
     @property
     def backward_s(self) -> float:
+        """Backward time of the whole model."""
         return sum(layer.backward_s for layer in self.layers)
 
     @property
@@ -90,14 +96,17 @@ class Profile:
 
     @property
     def numel(self) -> int:
+        """Parameters of the model."""
         return sum(layer.numel for layer in self.layers)
 
     @property
     def grad_bytes(self) -> int:
+        """Bytes of one full gradient."""
         return self.numel * self.bytes_per_elem
 
     # -- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """JSON form (``format_version`` 1)."""
         d: dict[str, Any] = {
             "format_version": FORMAT_VERSION,
             "model": self.model,
@@ -109,9 +118,9 @@ class Profile:
             "compressors": self.compressors,
             "notes": self.notes,
             "layers": [
-                {"name": l.name, "forward_s": l.forward_s, "backward_s": l.backward_s,
-                 "param_shapes": [list(s) for s in l.param_shapes]}
-                for l in self.layers
+                {"name": layer.name, "forward_s": layer.forward_s, "backward_s": layer.backward_s,
+                 "param_shapes": [list(s) for s in layer.param_shapes]}
+                for layer in self.layers
             ],
         }
         if self.factorized is not None:
@@ -120,6 +129,7 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], *, where: str = "profile") -> Profile:
+        """Parse and validate a profile document; ``where`` names the place in errors."""
         if not isinstance(d, dict):
             raise UsageError(f"{where}: a profile must be a JSON object")
         version = d.get("format_version", FORMAT_VERSION)
@@ -169,10 +179,12 @@ class Profile:
         )
 
     def save(self, path: str | Path) -> None:
+        """Write the JSON form to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
+        """Read a profile JSON, refusing a missing or invalid file in one line."""
         p = Path(path)
         if not p.is_file():
             raise UsageError(f"profile file {str(p)!r} does not exist")

@@ -9,12 +9,13 @@ by that moment, each layer's backward time is the gap since the previous layer's
 were ready. That gap is what wait-free backpropagation can overlap, which is the quantity
 the schedules need. Medians over ``iters`` timed iterations after ``warmup``.
 
-Compression kernels are timed with plain tensor ops (:func:`measure_costs`), and, since
-:mod:`lowcomm.compress` exists, each compressor's encode and decode per element too.
+Compression kernels are timed with plain tensor ops (:func:`measure_costs`), and every
+registered codec's encode and decode per element too (:func:`measure_compressors`).
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any, Callable
@@ -22,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lowcomm.compress.codec import CODECS, Codec, Layout, Message, codec_class
 from lowcomm.sim.profile import ComputeCosts, LayerProfile, Profile
 
 
@@ -179,25 +181,72 @@ def measure_costs(device: torch.device | str = "cpu", *, n: int = 1 << 21) -> Co
     )
 
 
-def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20) -> dict[str, dict[str, float]]:
-    """Encode/decode seconds per element of each :mod:`lowcomm.compress` compressor."""
-    try:
-        from lowcomm.compress import CastCompressor, MajoritySign, ScaledSign, TopK
-    except ImportError:  # compressors not part of this build
-        return {}
+def _received(msg: Message, world: int) -> torch.Tensor:
+    """What ``msg``'s collective would deliver among ``world`` identical workers."""
+    if msg.collective == "all_gather":
+        return msg.buf[: msg.numel].unsqueeze(0).expand(world, -1).contiguous()
+    return msg.buf.clone()
+
+
+def _final_message(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Tensor,
+                   world: int) -> Message:
+    """Encode ``x`` and complete every non-final round with fabricated peers."""
+    msg = codec.encode(x.clone(), layout, finite)
+    while not msg.final:
+        msg = codec.advance(msg, _received(msg, world))
+    return msg
+
+
+def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.Tensor,
+              world: int, device: torch.device, reps: int) -> tuple[float, str]:
+    """Median seconds of one decode at ``world`` workers, and the final collective."""
+    codec = cls(world=world)
+    samples, collective = [], "none"
+    out = torch.empty_like(x)
+    for _ in range(reps + 1):
+        msg = _final_message(codec, x, layout, finite, world)  # untimed: decode consumes it
+        received = _received(msg, world)
+        collective = msg.collective
+        _sync(device)
+        t0 = time.perf_counter()
+        codec.decode(msg, received, out)
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples[1:]), collective
+
+
+def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
+                        reps: int = 3) -> dict[str, dict[str, float]]:
+    """Encode/decode seconds per element of every registered codec (:data:`CODECS`).
+
+    Why per codec and not per kernel: a codec's encode and decode are several kernels plus
+    their state (error feedback, momentum, packing) and cost more than the constants of
+    :func:`measure_costs` add up to. Measured on a synthetic buffer of ``n`` elements (one
+    ``1024 x (n/1024 - 1)`` matrix and one vector, so low-rank codecs compress it) with
+    default options and fabricated peers (no process group). A codec whose final message is
+    all-gathered decodes every worker's payload, so its decode is measured at 2 and 8
+    workers and fitted as ``decode_s_per_elem + P * decode_s_per_elem_per_worker``.
+    """
     device = torch.device(device)
-    x = torch.randn(n, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)
-    compressors: dict[str, Any] = {
-        "fp16": CastCompressor(torch.float16),
-        "bf16": CastCompressor(torch.bfloat16),
-        "signsgd": ScaledSign(),
-        "signum": MajoritySign(),
-        "topk": TopK(0.01),
-    }
+    cols = max(2, n // 1024)
+    shapes = [(1024, cols - 1), (1024,)]
+    names = [f"synthetic.{i}" for i in range(len(shapes))]
+    layout = Layout.of(names, shapes, {nm: i for i, nm in enumerate(names)})
+    numel = layout.numel
+    x = torch.randn(numel, generator=torch.Generator(device="cpu").manual_seed(1)).to(device)
+    finite = torch.ones((), dtype=torch.bool, device=device)
     out: dict[str, dict[str, float]] = {}
-    for name, c in compressors.items():
-        payload, ctx = c.compress(x, [n])
-        enc = _timed(lambda c=c: c.compress(x, [n]), device)
-        dec = _timed(lambda c=c, payload=payload, ctx=ctx: c.decompress(payload, ctx), device)
-        out[name] = {"encode_s_per_elem": enc / n, "decode_s_per_elem": dec / n}
+    for name in CODECS.names():
+        cls = codec_class(name)
+        enc = _timed(functools.partial(cls(world=4).encode, x.clone(), layout, finite), device, reps)
+        lo, collective = _decode_s(cls, x, layout, finite, 2, device, reps)
+        entry = {"encode_s_per_elem": enc / numel}
+        if collective == "all_gather":
+            hi, _ = _decode_s(cls, x, layout, finite, 8, device, reps)
+            per_worker = max(0.0, (hi - lo) / 6)
+            entry["decode_s_per_elem"] = max(0.0, lo - 2 * per_worker) / numel
+            entry["decode_s_per_elem_per_worker"] = per_worker / numel
+        else:
+            entry["decode_s_per_elem"] = lo / numel
+        out[name] = entry
     return out

@@ -21,6 +21,7 @@ STREAMS = ("compute", "comm")
 
 @dataclass
 class Task:
+    """One piece of work on one stream, with the interval the timeline placed it in."""
     name: str
     stream: str
     kind: str  # forward | backward | optimizer | compress | comm | sync
@@ -31,6 +32,7 @@ class Task:
 
     @property
     def duration(self) -> float:
+        """Seconds the task runs."""
         return self.end - self.start
 
     def overlaps(self, other: Task) -> bool:
@@ -39,6 +41,7 @@ class Task:
 
 
 class Timeline:
+    """Places tasks on the two FIFO streams as they are added (see the module docstring)."""
     def __init__(self) -> None:
         self.tasks: list[Task] = []
         self._free = {s: 0.0 for s in STREAMS}
@@ -54,6 +57,7 @@ class Timeline:
         after: Iterable[Task | None] = (),
         wire_bytes: int = 0,
     ) -> Task:
+        """Append a task: it starts when its stream is free and every ``after`` task has ended."""
         if stream not in self._free:
             raise ValueError(f"unknown stream {stream!r}")
         start = max([self._free[stream], *(t.end for t in after if t is not None)])
@@ -63,15 +67,18 @@ class Timeline:
         return task
 
     def find(self, name: str, iteration: int | None = None) -> Task:
+        """The first task named ``name`` (in ``iteration``), for tests and plots."""
         for t in self.tasks:
             if t.name == name and (iteration is None or t.iteration == iteration):
                 return t
         raise KeyError(f"no task {name!r} in iteration {iteration}")
 
     def of_iteration(self, iteration: int) -> list[Task]:
+        """Every task of one iteration."""
         return [t for t in self.tasks if t.iteration == iteration]
 
     def end_of(self, iteration: int) -> float:
+        """When the last task of ``iteration`` ends."""
         return max((t.end for t in self.of_iteration(iteration)), default=0.0)
 
     def render(self, iteration: int | None = None) -> str:

@@ -20,28 +20,26 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch._dynamo  # noqa: F401  DDP imports it lazily (~5 s); import once before forking
 import torch.distributed as dist
 
+from lowcomm.runtime.launch import free_port
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+#: how the ranks start (``multiprocessing`` start methods)
+StartMethod = Literal["fork", "spawn"]
 
 
 class DistributedTestFailure(AssertionError):
-    pass
+    """A rank failed, hung or crashed; the message holds every rank's output (an assertion, so
+    pytest reports it as a test failure, not an error)."""
 
 
 @dataclass(frozen=True)
@@ -142,7 +140,7 @@ def run_distributed(
     timeout: float = 120.0,
     backend: str = "gloo",
     device: str = "cpu",
-    start_method: str | None = None,
+    start_method: StartMethod | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
@@ -153,8 +151,8 @@ def run_distributed(
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    method = start_method or ("spawn" if device == "cuda" else "fork")
-    ctx = mp.get_context(method)
+    method: StartMethod = start_method or ("spawn" if device == "cuda" else "fork")
+    ctx = mp.get_context("spawn") if method == "spawn" else mp.get_context("fork")
     target: Any = fn if method == "fork" else _FunctionRef.of(fn)
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="lowcomm-dist-")
@@ -213,7 +211,7 @@ def distributed(
     *,
     backend: str = "gloo",
     device: str = "cpu",
-    start_method: str | None = None,
+    start_method: StartMethod | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator: run the test body on ``world_size`` ranks (see module docstring).
 

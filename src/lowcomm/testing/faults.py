@@ -35,10 +35,12 @@ class KillResult:
 
     @property
     def hung(self) -> bool:
+        """The launcher did not exit in time after the kill (the failure this harness exists to catch)."""
         return self.returncode is None
 
     @property
     def rank_named(self) -> bool:
+        """The launcher's message named the killed rank (the user must learn which one died)."""
         return f"worker rank {self.rank} " in self.stderr
 
 

@@ -1,104 +1,136 @@
-"""Base class of every compression comm hook: bucket layout, step counter, warm-up, state.
+"""The one DDP comm hook: drives any codec (or none: ``ssgd``) through the shared transport.
 
 Ordering rule (why these hooks work with any number of buckets on gloo): DDP calls the hook
-for bucket 0, 1, 2, ... in the same order on every rank, on the autograd thread. Our hooks
-issue *every* collective synchronously from inside that call. Future callbacks only decode
-(tensor math), never communicate. PyTorch's ``powerSGD_hook`` launches its second
-all-reduce from a callback, whose timing differs across ranks, so with several buckets the
-ranks' collective sequences diverge and gloo fails; here that cannot happen.
+for bucket 0, 1, 2, ... in the same order on every rank, on the autograd thread. The hook
+issues *every* collective from inside that call: non-final messages (PowerSGD's P, gTop-k's
+rounds) are completed synchronously by :func:`lowcomm.comm.transport.run_rounds`, the final
+one is started asynchronously; the future's callback only decodes (tensor math), never
+communicates. PyTorch's ``powerSGD_hook`` launches its second all-reduce from a callback,
+whose timing differs across ranks, so with several buckets the ranks' collective sequences
+diverge and gloo fails; here that cannot happen.
 
-Per-step counter: advanced after the hook of the bucket DDP marks ``is_last()``, so it counts
-synchronized iterations (``no_sync()`` steps never call the hook and are not counted).
+Step counter: the codec's (:meth:`~lowcomm.compress.codec.Codec.end_step`), advanced after
+the hook of the bucket DDP marks ``is_last()``, so it counts synchronized iterations
+(``no_sync()`` steps never call the hook). While the codec is not
+:attr:`~lowcomm.compress.codec.Codec.active` (``start_iter`` warm-up) the hook is a plain
+mean all-reduce, which is also all ``ssgd`` ever does.
 
 No host synchronization inside a hook: "is this bucket finite?" is a device-side flag that
 steers branch-free state updates and poisons the payload (see :mod:`lowcomm.compress.feedback`).
-Each bucket's *aggregated* result notes a flag in :attr:`HookState.finite_flags`; after
-backward, :attr:`HookState.nonfinite_this_step` is one device tensor for the whole step and
-:meth:`HookState.check_finite` is the single host read (with the warning) that a training
+Each bucket's *aggregated* result notes a flag in :attr:`CodecHook.finite_flags`; after
+backward, :attr:`CodecHook.nonfinite_this_step` is one device tensor for the whole step and
+:meth:`CodecHook.check_finite` is the single host read (with the warning) that a training
 loop without a GradScaler uses to skip the optimizer step. With a GradScaler nothing is read
 here: the poisoned aggregate reaches ``p.grad`` and the scaler's own inf check skips the step.
 
-AMP: :meth:`HookState.attach_scaler` gives the hook the GradScaler; stateful methods then
-keep their state in unscaled units (:mod:`lowcomm.comm.amp`).
+AMP: :meth:`CodecHook.attach_scaler` gives the hook the GradScaler; for a
+:attr:`~lowcomm.compress.codec.Codec.stateful` codec the bucket is divided by the loss scale
+before encoding (state in unscaled units, :mod:`lowcomm.comm.amp`) and the decoded mean is
+multiplied by it again; stateless casts keep the scaled values, the range the scaler chose.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import dataclasses
-from typing import Any, ClassVar
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowcomm.comm import accounting
+from lowcomm.comm import accounting, transport
 from lowcomm.comm.amp import current_scale
-from lowcomm.compress.feedback import StepFlags, finite_flag, poison_, warn_nonfinite
+from lowcomm.compress.codec import Codec, Layout
+from lowcomm.compress.feedback import StepFlags, finite_flag, warn_nonfinite
 from lowcomm.runtime import timing
 
 Future = torch.futures.Future
 
 
-def done_future(t: torch.Tensor) -> Future[torch.Tensor]:
-    fut: Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(t)
-    return fut
+@dataclass
+class SSGDOptions:
+    """ssgd takes no options."""
 
 
-def poison(payload: list[torch.Tensor], finite: torch.Tensor) -> None:
-    """Make a payload decode to non-finite values when the 0-dim flag ``finite`` is False
-    (NaN policy, see compress.feedback); branch-free, no host sync."""
-    for t in payload:
-        poison_(t, finite)
+class CodecHook:
+    """State of one DDP comm hook: the codec (None for ``ssgd``), the step's finite flags,
+    the AMP scaler. Hand it to DDP with :func:`run_hook`; checkpoint it with
+    :meth:`state_dict`."""
 
-
-class HookState(ABC):
-    """Shared plumbing; subclasses implement :meth:`compressed_hook`."""
-
-    name: ClassVar[str] = "hook"
-    Options: ClassVar[type] = object
-    #: ``"all_reduce"`` or ``"all_gather"`` (or ``"p2p"`` for gtopk): the aggregation kind.
-    aggregation: ClassVar[str] = "all_reduce"
-
-    def __init__(self, ddp: nn.Module, options: Any, *, process_group: Any = None) -> None:
+    def __init__(self, ddp: nn.Module, name: str, options: Any, codec: Codec | None, *,
+                 process_group: Any = None) -> None:
+        self.name = name
         self.options = options
+        self.codec = codec
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.step = 0
-        #: optional ``torch.amp.GradScaler``: stateful methods then work in unscaled units
+        self._step = 0  # ssgd's own count (a codec counts its steps itself)
+        #: optional ``torch.amp.GradScaler``: stateful codecs then work in unscaled units
         self.scaler: Any = None
         #: finiteness of every bucket's aggregated result in the current (or last) step
         self.finite_flags = StepFlags()
         self._flags_step = -1
         self._scale: torch.Tensor | None = None
-        module = getattr(ddp, "module", ddp)
-        named = list(module.named_parameters())
+        named = list(getattr(ddp, "module", ddp).named_parameters())
         self._param_name = {id(p): n for n, p in named}
         self.param_index = {n: i for i, (n, _) in enumerate(named)}
 
+    @property
+    def step(self) -> int:
+        """Synchronized steps so far (warm-up included)."""
+        return self.codec.step if self.codec is not None else self._step
+
     # --- the hook -------------------------------------------------------------------------
     def __call__(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+        """One bucket: warm-up mean, or the codec's messages; counts the step at the last."""
         if self._flags_step != self.step:  # first bucket of a synchronized step
             self._flags_step = self.step
             self.finite_flags.clear()
             self._scale = current_scale(self.scaler, bucket.buffer().device)
-        start = int(getattr(self.options, "start_iter", 0))
-        if self.step < start:
+        codec = self.codec
+        if codec is None:
+            fut = self.allreduce_mean(bucket.buffer(), tag=self.name)
+        elif not codec.active:
             fut = self.allreduce_mean(bucket.buffer(), tag=f"{self.name}.warmup")
         else:
-            fut = self.compressed_hook(bucket)
+            fut = self.compressed(bucket, codec)
         if bucket.is_last():
-            self.step += 1
+            if codec is None:
+                self._step += 1
+            else:
+                codec.end_step()
         return fut
 
-    @abstractmethod
-    def compressed_hook(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        """One bucket once the method compresses (after ``start_iter``)."""
+    def compressed(self, bucket: dist.GradBucket, codec: Codec) -> Future[torch.Tensor]:
+        """Encode, complete the non-final messages, start the final one, decode in its callback."""
+        buf = bucket.buffer()
+        layout = self.layout(bucket)
+        scale = self.loss_scale if codec.stateful else None
+        with timing.measure("compress"):
+            if scale is not None:
+                buf.div_(scale)
+            finite = finite_flag(buf)  # device flag: no host sync inside backward
+            msg = codec.encode(buf, layout, finite)
+        msg = transport.run_rounds(codec, msg, group=self.group, tag=self.name)
+        pending = transport.start(msg, group=self.group, tag=self.name)
+
+        def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
+            t0 = time.perf_counter()
+            codec.decode(msg, fut.value(), buf)
+            self.note_aggregate(buf)
+            if scale is not None:
+                buf.mul_(scale)
+            timing.add("compress", time.perf_counter() - t0)
+            return buf
+
+        return pending.future().then(decode)
 
     def allreduce_mean(self, buf: torch.Tensor, *, tag: str) -> Future[torch.Tensor]:
+        """Plain mean all-reduce (what DDP does), counted under ``tag``."""
         world = self.world
         work = accounting.all_reduce(buf, group=self.group, async_op=True, tag=tag)
 
@@ -133,7 +165,7 @@ class HookState(ABC):
     def check_finite(self) -> bool:
         """One host read for the whole step (call it after backward, not in a hook): True if
         the synchronized gradient is finite; otherwise warn and return False so the caller
-        skips the optimizer step (the method's state was already left unchanged)."""
+        skips the optimizer step (the codec's state was already left unchanged)."""
         bad = self.nonfinite_this_step
         if bad is None or not bool(bad):
             return True
@@ -141,27 +173,29 @@ class HookState(ABC):
         return False
 
     # --- helpers ---------------------------------------------------------------------------
-    def layout(self, bucket: dist.GradBucket) -> tuple[list[str], list[int], list[torch.Size]]:
-        """Parameter names, sizes and shapes of the bucket, in buffer order."""
+    def layout(self, bucket: dist.GradBucket) -> Layout:
+        """The bucket's tensors (names, shapes, positions in the model), in buffer order."""
         params = bucket.parameters()
         names = [self._param_name.get(id(p), f"?{i}") for i, p in enumerate(params)]
-        sizes = [p.numel() for p in params]
-        shapes = [p.shape for p in params]
-        if sum(sizes) != bucket.buffer().numel():
+        layout = Layout.of(names, [p.shape for p in params], self.param_index)
+        if layout.numel != bucket.buffer().numel():
             raise RuntimeError("bucket buffer does not match its parameters (sparse gradients?)")
-        return names, sizes, shapes
-
-    def timed(self) -> Any:
-        return timing.measure("compress")
+        return layout
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"method": self.name, "step": self.step, "options": dataclasses.asdict(self.options)}
+        """Method name, options, step and the codec's state (memory, factors)."""
+        state = {"method": self.name, "options": dataclasses.asdict(self.options), "step": self.step}
+        return {**state, **self.codec.state_dict()} if self.codec is not None else state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (refuses another method's state)."""
         if state.get("method", self.name) != self.name:
             raise ValueError(f"state is for method {state.get('method')!r}, not {self.name!r}")
-        self.step = int(state["step"])
+        if self.codec is not None:
+            self.codec.load_state_dict(state)
+        else:
+            self._step = int(state.get("step", 0))
 
 
 def run_hook(state, bucket):  # type: ignore[no-untyped-def]

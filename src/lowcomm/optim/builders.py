@@ -1,18 +1,25 @@
-"""Optimizers and per-step learning-rate schedules built from a :class:`TrainConfig`."""
+"""Optimizers built from a :class:`~lowcomm.runtime.config.TrainConfig`, and the settings a
+method may ask to change before they are built.
+
+Why one module: every place that needs an optimizer (the trainer at start, the trainer again
+after Pufferfish's switch, the tests) must build the *same* one from the same settings; a
+second builder would drift. New optimizers (LARS/LAMB, K-FAC) are added to
+:data:`OPTIMIZER_FACTORIES` with one entry each and a choice in ``TrainConfig``.
+"""
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lowcomm.errors import UsageError
-from lowcomm.runtime.config import TrainConfig
 
 if TYPE_CHECKING:
     from lowcomm.methods.base import Method
+    from lowcomm.runtime.config import TrainConfig
 
 _FLAG = {"lr": "--lr", "momentum": "--momentum", "nesterov": "--nesterov", "optimizer": "--optimizer",
          "weight_decay": "--weight-decay"}
@@ -65,11 +72,13 @@ def _fmt(value: object) -> str:
 _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm)
 
 
-def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool) -> list[dict]:
-    """One group, or two when norms and biases are exempt from weight decay."""
+def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool) -> list[dict[str, Any]]:
+    """One group, or two when norms and biases are exempt from weight decay (decaying a
+    norm's scale or a bias only pulls it towards a value nobody asked for)."""
     if not no_decay_norm_bias or weight_decay == 0:
         return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad:
@@ -78,33 +87,26 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr)
+def _sgd(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
 
 
-def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: int) -> float:
-    """Multiplier of the base LR after ``step`` optimizer steps (linear warm-up first)."""
-    warm = int(cfg.lr_warmup_epochs * steps_per_epoch)
-    if warm and step < warm:
-        return (step + 1) / warm
-    if cfg.schedule == "constant":
-        return 1.0
-    if cfg.schedule == "cosine":
-        span = max(1, total_steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / span)))
-    if cfg.schedule == "step":
-        return cfg.gamma ** (step // max(1, cfg.step_size_epochs * steps_per_epoch))
-    # multistep: milestones are fractions of training (<= 1) or epoch numbers (> 1)
-    marks = [int(m * total_steps) if m <= 1 else int(m * steps_per_epoch) for m in cfg.milestones]
-    return cfg.gamma ** sum(step >= m for m in marks)
+def _adamw(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-def build_scheduler(
-    cfg: TrainConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int, total_steps: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(cfg, step, steps_per_epoch, total_steps)
-    )
+#: ``--optimizer`` name -> factory(param groups, config). The place where LARS/LAMB and K-FAC
+#: will be added (their names also go into ``lowcomm.runtime.config.OPTIMIZERS``).
+OPTIMIZER_FACTORIES: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
+    "sgd": _sgd,
+    "adamw": _adamw,
+}
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``cfg`` asks for over ``model``'s trainable parameters; called again
+    after every re-wrap that changes the parameters (Pufferfish's switch resets its state)."""
+    factory = OPTIMIZER_FACTORIES.get(cfg.optimizer)
+    if factory is None:
+        raise UsageError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZER_FACTORIES)}")
+    return factory(param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias), cfg)

@@ -1,4 +1,5 @@
-"""Frobenius decay for factorized layers (Pufferfish/Cuttlefish regularizer).
+"""Frobenius decay for factorized layers (Pufferfish/Cuttlefish regularizer): an update-axis
+regularizer, applied to the synchronized gradients right before the optimizer step.
 
 Plain weight decay on the two factors ``A`` (out x r) and ``B`` (r x in) penalizes
 ``‖A‖² + ‖B‖²``, which depends on how the product is split between them. Frobenius decay
@@ -23,7 +24,11 @@ def _pair_(a: torch.Tensor, b: torch.Tensor, a_grad: torch.Tensor, b_grad: torch
 
 @torch.no_grad()
 def frobenius_decay_(model: nn.Module, lam: float) -> None:
-    """Add ``λ·∂(½‖A·B‖²)`` to the gradients of every factor pair in ``model`` (in place)."""
+    """Add ``λ·∂(½‖A·B‖²)`` to the gradients of every factor pair in ``model`` (in place).
+
+    Why on the gradients and not in the loss: the penalty's gradient has this closed form
+    through r x r Gram matrices, cheaper than differentiating ``‖A·B‖²`` through autograd,
+    and it leaves the loss (and its logged value) the task's own."""
     for mod in model.modules():
         if isinstance(mod, LowRankLinear):
             v = mod.v.weight

@@ -1,37 +1,33 @@
-"""The ``pufferfish`` method: vanilla warm-up, then train the low-rank factorized model.
+"""The ``pufferfish`` method: vanilla warm-up, then train the low-rank factorized model
+(docs/pufferfish.md).
 
-``--method pufferfish:rank_ratio=0.25,warmup_epochs=E`` trains the dense model for ``E``
-epochs (with ``warmup_method``'s gradient communication: plain all-reduce by default, or a
-compressor such as ``powersgd`` / ``acpsgd:rank=4``), then at the end of epoch ``E`` returns
-True from :meth:`on_epoch_end`. The trainer then calls :meth:`prepare` — every rank
-factorizes its (identical) weights by a deterministic CPU SVD — re-wraps with :meth:`wrap`
-(plain all-reduce ``ssgd`` from now on: the gradients are already small) and rebuilds the
-optimizer and LR scheduler (the schedule continues where it was).
+``pufferfish:warmup_epochs=E`` trains the dense model for ``E`` epochs with ``warmup_method``
+(default ``ssgd``), then :meth:`on_epoch_end` returns True: the trainer calls :meth:`prepare`
+(every rank factorizes its identical weights by a deterministic CPU SVD), re-wraps with the
+``then`` method (default ``ssgd``: the factors' gradients are small) and rebuilds optimizer
+(state reset, as in the paper) and LR scheduler (continuing where it was). ``rewarmup_epochs``
+ramps the LR back up after the reset: a :class:`lowcomm.optim.Rewarmup` the scheduler
+multiplies in (:meth:`lr_multiplier`). ``frob_decay``: :func:`lowcomm.optim.frobenius_decay_`.
 
-Optimizer state: as in the paper, momentum (and Adam moments) are **reset** at the switch;
-the new factor parameters have no counterpart in the old state. ``rewarmup_epochs`` ramps the
-LR linearly from 0 back to the schedule's value over that many epochs after the switch, which
-tames the jump that the reset causes.
+Why any method on both sides of the switch: the model axis (what is trained) and the
+payload/schedule axes (how gradients travel) are independent, so the inner methods are
+ordinary registry methods with any options; nested specs with several options go in
+parentheses, ``then=(acpsgd:rank=4,start_iter=5)`` (the old ``;`` separator,
+``warmup_method=powersgd:rank=4;start_iter=10``, is still read as a deprecated alias).
 
-Options beyond the paper: ``auto_rank`` picks each layer's rank from its scaled stable rank
-(Cuttlefish); ``auto_switch`` switches at the first epoch after which no layer's stable-rank
-estimate moved by more than 5% over two epochs (``warmup_epochs`` then caps the warm-up, 0 =
-no cap). Decisions are broadcast from rank 0, so every rank builds the same architecture.
-``frob_decay`` adds Frobenius decay ``λ/2·‖U·V‖²`` of each factorized weight to the
-gradients (on top of the optimizer's weight decay). Inner-method options in
-``warmup_method`` are separated with ``;`` (``warmup_method=powersgd:rank=4;start_iter=10``).
-
-Checkpoints: :meth:`state_dict` records whether the switch happened and every layer's rank;
-on resume the trainer calls :meth:`load_state_dict` and then :meth:`prepare`, which rebuilds
-the factorized structure *before* the saved weights are loaded into it.
+``auto_rank``/``auto_switch`` (Cuttlefish-style) are decided on rank 0 and broadcast, so every
+rank builds the same architecture. Checkpoints hold the switch, every layer's rank and the
+current inner method's state; on resume :meth:`prepare` rebuilds the factorized structure
+before the saved weights are loaded, and :meth:`wrap` restores the inner method's state.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -40,11 +36,16 @@ from torch import nn
 from lowcomm import methods as method_registry
 from lowcomm.comm import accounting
 from lowcomm.errors import UsageError, check_fraction, check_positive
-from lowcomm.lowrank.decay import frobenius_decay_
 from lowcomm.lowrank.factorize import Candidate, candidates, factorize, plan, resolve_full_rank
 from lowcomm.lowrank.rank import ranks_stable, scaled_stable_rank, stable_rank
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
+from lowcomm.optim.decay import frobenius_decay_
+from lowcomm.optim.schedules import Rewarmup
+
+if TYPE_CHECKING:
+    from lowcomm.lowrank.presets import Preset
+    from lowcomm.runtime.config import TrainConfig
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -54,9 +55,12 @@ def _device_of(model: nn.Module) -> torch.device:
 
 @dataclass
 class PufferfishOptions:
+    """``--method pufferfish:...`` options (docs/pufferfish.md has the table)."""
+
     rank_ratio: float = 0.25
     warmup_epochs: int = 0
-    warmup_method: str = "ssgd"
+    warmup_method: str = "ssgd"  # any method spec: the full-rank warm-up's gradient method
+    then: str = "ssgd"  # any method spec: the method after the switch
     rewarmup_epochs: float = 0.0
     full_rank: str = ""  # regex of dense layers; "" = the model's hybrid preset; "none" = no layer
     extra_bn: bool = False
@@ -76,10 +80,9 @@ class PufferfishOptions:
                 re.compile(self.full_rank)
             except re.error as e:
                 raise UsageError(f"pufferfish full_rank {self.full_rank!r} is not a valid regex: {e}") from None
-        name, _ = method_registry.split_spec(self.warmup_method)
-        if name == "pufferfish":
-            raise UsageError("pufferfish warmup_method cannot be pufferfish itself")
-        method_registry.METHODS.get(name)  # an unknown name is the first thing to report
+        for key in ("warmup_method", "then"):
+            _make_inner(key, getattr(self, key))  # refused here, before any worker starts
+        name, _ = method_registry.split_spec(_nested(self.warmup_method))
         if name != "ssgd" and self.warmup_epochs == 0 and not self.auto_switch:
             raise UsageError(
                 f"pufferfish warmup_method={self.warmup_method} has no effect without a warm-up: "
@@ -92,6 +95,7 @@ class PufferfishOptions:
             )
 
     def full_rank_spec(self) -> str | list[str] | None:
+        """``full_rank`` for :func:`~lowcomm.lowrank.factorize`: None = the preset, [] = none."""
         if self.full_rank == "":
             return None
         if self.full_rank.lower() == "none":
@@ -99,8 +103,18 @@ class PufferfishOptions:
         return self.full_rank
 
 
-def _make_inner(spec: str) -> Method:
-    return method_registry.create(spec.replace(";", ","))
+def _nested(spec: str) -> str:
+    """A nested spec as the registry reads it: ``;`` was the separator of its options before
+    parentheses existed (deprecated alias, read only where no parenthesis is used)."""
+    return spec if "(" in spec else spec.replace(";", ",")
+
+
+def _make_inner(key: str, spec: str) -> Method:
+    """The method that option ``key`` (``warmup_method`` or ``then``) names, with its options."""
+    spec = _nested(spec)
+    if method_registry.split_spec(spec)[0] == "pufferfish":
+        raise UsageError(f"pufferfish {key} cannot be pufferfish itself")
+    return method_registry.create(spec)
 
 
 @register
@@ -115,35 +129,53 @@ class Pufferfish(Method):
         o: PufferfishOptions = self.options
         self.switched = False
         self.switch_epoch: int | None = None
+        self.switch_step = 0  # global optimizer step at which the factorized model starts
         self.ranks: dict[str, Any] | None = None
         self.epochs_done = 0
         self.steps = 0  # optimizer steps seen by this method (all epochs)
         self.steps_per_epoch: int | None = None
-        self.steps_since_switch = 0
         self.srank_init: dict[str, float] | None = None
         self.rank_history: list[dict[str, int]] = []
         self.example_shape: tuple[tuple[int, ...], torch.dtype] | None = None
         self._model: nn.Module | None = None
         self._pending_inner_state: dict[str, Any] | None = None
-        self.inner: Method = self._initial_inner()
         if o.warmup_epochs == 0 and not o.auto_switch:
             self.switched, self.switch_epoch = True, 0
-            self.inner = method_registry.create("ssgd")
+        self.inner: Method = self._current_inner()
 
-    def _initial_inner(self) -> Method:
-        return _make_inner(self.options.warmup_method)
-
-    def optimizer_overrides(self, cfg: Any) -> list[OptimizerOverride]:
-        """The warm-up method's optimizer needs (e.g. ``warmup_method=signum``: SGD momentum
-        off), applied for the whole run: one optimizer configuration, announced once, rather
-        than settings that silently change at the switch."""
+    def _current_inner(self) -> Method:
+        """A fresh instance of the method for the current phase (warm-up or after the switch)."""
         o: PufferfishOptions = self.options
-        if o.warmup_epochs == 0 and not o.auto_switch:
-            return []  # no warm-up: the warm-up method never runs
-        return _make_inner(o.warmup_method).optimizer_overrides(cfg)
+        return _make_inner("then", o.then) if self.switched else _make_inner("warmup_method", o.warmup_method)
+
+    def optimizer_overrides(self, cfg: TrainConfig) -> list[OptimizerOverride]:
+        """What the warm-up method (if a warm-up runs) and the ``then`` method need (e.g.
+        ``signum``: SGD momentum off), applied for the whole run: one optimizer
+        configuration, announced once, rather than settings that silently change at the
+        switch. Two different values for a setting the user left at its default cannot both
+        hold: refused, asking for the setting explicitly."""
+        o: PufferfishOptions = self.options
+        phases = [("then", o.then)]
+        if o.warmup_epochs > 0 or o.auto_switch:
+            phases.insert(0, ("warmup_method", o.warmup_method))
+        chosen: dict[str, tuple[str, OptimizerOverride]] = {}
+        for key, spec in phases:
+            for ov in _make_inner(key, spec).optimizer_overrides(cfg):
+                if ov.field not in chosen:
+                    chosen[ov.field] = (key, ov)
+                    continue
+                first_key, first = chosen[ov.field]
+                if first.value != ov.value and ov.field not in cfg.explicit_flags:
+                    raise UsageError(
+                        f"pufferfish: {first_key} needs {ov.field}={first.value} but then needs "
+                        f"{ov.field}={ov.value}; give --{ov.field.replace('_', '-')} explicitly"
+                    )
+        return [ov for _, ov in chosen.values()]
 
     # --- model axis -------------------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
+        """Before the switch: the dense model (stable ranks recorded for auto options);
+        after it (or on resume after it): the model factorized in place at the chosen ranks."""
         o: PufferfishOptions = self.options
         self._record_input_shape(model)
         if not self.switched:
@@ -164,7 +196,7 @@ class Pufferfish(Method):
         self._model = model
         return model
 
-    def _full_rank(self, model: nn.Module) -> Any:
+    def _full_rank(self, model: nn.Module) -> tuple[str | Sequence[str] | None, Preset | None]:
         return resolve_full_rank(model, self.options.full_rank_spec(), None)
 
     def _candidates(self, model: nn.Module) -> list[Candidate]:
@@ -227,6 +259,7 @@ class Pufferfish(Method):
 
     # --- schedule axis: delegate to the current inner method -------------------------------
     def wrap(self, model: nn.Module, ctx: MethodContext) -> nn.Module:
+        """Wrap with the current inner method (restoring its checkpointed state first)."""
         self.ctx = ctx
         if self._pending_inner_state is not None:
             self.inner.load_state_dict(self._pending_inner_state)
@@ -237,64 +270,61 @@ class Pufferfish(Method):
         return wrapped
 
     def register_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """The inner method's hook."""
         self.inner.register_hook(ddp)
 
     def finish_sync(self) -> None:
+        """The inner method's wait."""
         self.inner.finish_sync()
 
     # --- AMP and non-finite steps: the inner method synchronizes the gradient -------------
-    def attach_scaler(self, scaler: Any) -> None:
+    def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Keep the scaler for a later inner method, and hand it to the current one."""
         super().attach_scaler(scaler)
         self.inner.attach_scaler(scaler)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """The inner method unscales (it knows where its synchronized gradient is)."""
         # before optimizer_step: Frobenius decay is then added to unscaled gradients
         self.inner.unscale_(optimizer)
 
     def nonfinite_flag(self) -> torch.Tensor | None:
+        """The inner method's flag."""
         return self.inner.nonfinite_flag()
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """A skipped step still counts (as under a GradScaler, whose skip happens inside
         :meth:`optimizer_step`): the re-warm-up follows the LR schedule, which advances."""
         self.steps += 1
-        if self.switched:
-            self.steps_since_switch += 1
         self.inner.skip_step(optimizer)
 
     def flush(self) -> None:
+        """Complete the inner method's pending work."""
         self.inner.flush()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Frobenius decay on the factors' (unscaled) gradients, then the inner method's step."""
         o: PufferfishOptions = self.options
         self.steps += 1
         if self.switched and o.frob_decay > 0 and self._model is not None:
             frobenius_decay_(self._model, o.frob_decay)
-        scale = self._rewarmup_scale()
-        if scale < 1.0:
-            saved = [g["lr"] for g in optimizer.param_groups]
-            for g in optimizer.param_groups:
-                g["lr"] = g["lr"] * scale
-            try:
-                self.inner.optimizer_step(optimizer)
-            finally:
-                for g, lr in zip(optimizer.param_groups, saved):
-                    g["lr"] = lr
-        else:
-            self.inner.optimizer_step(optimizer)
-        if self.switched:
-            self.steps_since_switch += 1
+        self.inner.optimizer_step(optimizer)
 
-    def _rewarmup_scale(self) -> float:
+    def rewarmup(self) -> Rewarmup | None:
+        """The LR ramp after the switch (None: no ramp, or factorized from the start)."""
         o: PufferfishOptions = self.options
-        if not self.switched or o.rewarmup_epochs <= 0 or self.switch_epoch in (None, 0):
-            return 1.0
-        total = max(1, int(round(o.rewarmup_epochs * (self.steps_per_epoch or 1))))
-        if self.steps_since_switch >= total:
-            return 1.0
-        return (self.steps_since_switch + 1) / total
+        if not self.switched or self.switch_epoch in (None, 0):
+            return None
+        return Rewarmup.epochs(self.switch_step, o.rewarmup_epochs, self.steps_per_epoch or 1)
 
-    def clip_grad_norm_(self, max_norm: float) -> Any:
+    def lr_multiplier(self, step: int) -> float:
+        """The re-warm-up's factor (a pure function of ``step`` given the switch) times the
+        inner method's own."""
+        ramp = self.rewarmup()
+        return (ramp.factor(step) if ramp is not None else 1.0) * self.inner.lr_multiplier(step)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip as the inner method does (an engine holds gradient shards), else on the model."""
         inner = getattr(self.inner, "clip_grad_norm_", None)
         if inner is not None:
             return inner(max_norm)
@@ -303,6 +333,8 @@ class Pufferfish(Method):
 
     # --- the switch -------------------------------------------------------------------------
     def on_epoch_end(self, epoch: int) -> bool:
+        """Switch (True: the trainer re-prepares and re-wraps) at ``warmup_epochs`` or, with
+        ``auto_switch``, once the stable ranks settle; the ``then`` method takes over."""
         o: PufferfishOptions = self.options
         self.epochs_done = epoch
         if self.steps_per_epoch is None and epoch > 0 and self.steps:
@@ -317,12 +349,13 @@ class Pufferfish(Method):
         if not switch:
             return False
         self.inner.flush()
-        self.switched, self.switch_epoch = True, epoch
-        self.inner = method_registry.create("ssgd")  # factors are small: plain all-reduce
+        self.switched, self.switch_epoch, self.switch_step = True, epoch, self.steps
+        self.inner = self._current_inner()  # default ssgd: the factors' gradients are small
         return True
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Switch decision, ranks, step counters, and the current inner method's state."""
         return {
             "switched": self.switched,
             "switch_epoch": self.switch_epoch,
@@ -330,13 +363,14 @@ class Pufferfish(Method):
             "epochs_done": self.epochs_done,
             "steps": self.steps,
             "steps_per_epoch": self.steps_per_epoch,
-            "steps_since_switch": self.steps_since_switch,
+            "switch_step": self.switch_step,
             "srank_init": self.srank_init,
             "rank_history": self.rank_history,
             "inner": self.inner.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the inner method's own state is loaded at :meth:`wrap`."""
         if not state:
             return
         self.switched = bool(state["switched"])
@@ -345,13 +379,15 @@ class Pufferfish(Method):
         self.epochs_done = int(state.get("epochs_done", 0))
         self.steps = int(state.get("steps", 0))
         self.steps_per_epoch = state.get("steps_per_epoch")
-        self.steps_since_switch = int(state.get("steps_since_switch", 0))
+        # checkpoints written before switch_step was recorded kept steps since the switch
+        self.switch_step = int(state.get("switch_step", self.steps - int(state.get("steps_since_switch", 0))))
         self.srank_init = state.get("srank_init")
         self.rank_history = list(state.get("rank_history", []))
-        self.inner = method_registry.create("ssgd") if self.switched else self._initial_inner()
+        self.inner = self._current_inner()
         self._pending_inner_state = state.get("inner") or None
 
     def describe(self) -> dict[str, Any]:
+        """Options, switch, the current inner method and the low-rank report (params, MACs)."""
         info: dict[str, Any] = {
             "method": self.name,
             "options": dataclasses.asdict(self.options),

@@ -2,9 +2,12 @@
 
 Each wraps the model in :class:`~lowcomm.sched.engine.ScheduledModule` instead of DDP and
 forwards the trainer's life-cycle calls to its :class:`~lowcomm.sched.engine.Engine`.
-Sharded schedules (``dear``, ``lee18``) hold the averaged gradient only as shards between
-``finish_sync`` and the step, so gradient clipping must go through
-:meth:`EngineMethod.clip_grad_norm_` (a global norm via one all-reduce).
+``compress=<codec>`` carries any registered compressor where the pair works
+(:func:`lowcomm.sched.pairing.pairing_refusal` says why not otherwise); keys that are not the
+schedule's own are the codec's options (:mod:`lowcomm.sched.options`). Sharded schedules
+(``dear``, ``lee18``) hold the averaged gradient only as shards between ``finish_sync`` and
+the step, so gradient clipping must go through :meth:`EngineMethod.clip_grad_norm_` (a global
+norm via one all-reduce).
 """
 
 from __future__ import annotations
@@ -19,75 +22,25 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting
-from lowcomm.comm.hooks.options import LowRankOptions
+from lowcomm.compress.codec import Codec
 from lowcomm.errors import UsageError, check_positive
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
 from lowcomm.sched.engine import Engine, Mode, ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
-from lowcomm.sched.lowrank import KINDS as LOWRANK_KINDS
-from lowcomm.sched.lowrank import LowRankCodec
-from lowcomm.sched.tune import MB, ThresholdTuner, check_bayes_opt, window_time
-
-
-_GATHER = ("signsgd", "signum", "topk", "gtopk")
-_CASTS = ("fp16", "bf16")
-
-
-def _check_compress(method: str, compress: str) -> str:
-    """Which payload compressors compose with which schedule (see docs/scheduling.md).
-
-    Returns the normalized name (``none``, ``acpsgd`` or ``powersgd``) or raises."""
-    c = compress.strip().lower()
-    if c in ("", "none"):
-        return "none"
-    collective = "reduce-scatter" if method in ("dear", "lee18") else "all-reduce"
-    if c in _GATHER:
-        raise UsageError(
-            f"{method} cannot carry compressor {c!r}: its payload is not sum-compatible (it is "
-            f"all-gathered and decoded), while this schedule sums gradients with {collective}; "
-            f"use '--method {c}' on its own"
-        )
-    if c not in LOWRANK_KINDS:
-        extra = " (fp16/bf16 casts are not offered by the engine: use '--method fp16' with DDP)" if c in _CASTS else ""
-        raise UsageError(f"{method}: unknown compress={c!r}{extra}; valid: none, acpsgd, powersgd")
-    if method == "lee18":
-        raise UsageError(
-            f"lee18 cannot carry compress={c}: each rank updates its own 1/P slice of the "
-            "parameters from its slice of the summed gradient, but a slice of summed low-rank "
-            "factors does not determine any slice of the gradient (each entry needs a full row "
-            "of P and of Q); use 'dear:compress=acpsgd' or 'wfbp:compress=acpsgd'"
-        )
-    if method == "dear" and c == "powersgd":
-        raise UsageError(
-            "dear cannot carry compress=powersgd: PowerSGD needs the complete summed P before "
-            "it can compute Q, so the reduce-scatter would have to be followed by an all-gather "
-            "inside backward (an all-reduce in two halves, nothing left to defer); use "
-            "'dear:compress=acpsgd' (one sum-compatible factor per step) or 'wfbp:compress=powersgd'"
-        )
-    return c
+from lowcomm.sched.options import chosen_codec, describe_options, with_codec_options
+from lowcomm.sched.tune import MB, ThresholdTuner, agree, agree_float, check_bayes_opt, control_device, window_time
 
 
 @dataclass
-class CompressFields:
-    """``compress=acpsgd|powersgd`` and its options (same names and defaults as the DDP hooks)."""
+class EngineFields:
+    """Options every engine schedule has: ``compress=<codec name>`` (``none``: plain
+    averaging; the codec's keys join in :func:`with_codec_options`) and whether rank 0's
+    buffers (BatchNorm statistics) are broadcast before each training forward, as DDP does."""
 
     compress: str = "none"
-    rank: int = 4
-    start_iter: int = 10
-    error_feedback: bool = True
-    min_compression_rate: float = 2.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        LowRankOptions(  # validation with the hooks' messages
-            rank=self.rank,
-            start_iter=self.start_iter,
-            error_feedback=self.error_feedback,
-            min_compression_rate=self.min_compression_rate,
-            seed=self.seed,
-        )
+    broadcast_buffers: bool = True
 
 
 class EngineMethod(Method):
@@ -97,32 +50,22 @@ class EngineMethod(Method):
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
-        self.compress = _check_compress(self.name, getattr(self.options, "compress", "none"))
+        self.codec_class = chosen_codec(self.options)
         self.engine: Engine | None = None
-        self.codec: LowRankCodec | None = None
+        self.codec: Codec | None = None
         self._pending_state: dict[str, Any] | None = None
 
-    def initial_sizes(self, engine_units: int, model: nn.Module) -> list[int] | None:
-        return None
-
     def wrap(self, model: nn.Module, ctx: MethodContext) -> nn.Module:
+        """Build the codec (keeping its state across re-wraps) and the engine; returns the wrapped model."""
         self.ctx = ctx
         if self.engine is not None:
             self.engine.remove_hooks()
         codec = None
-        if self.compress != "none":
-            o = self.options
-            world = dist.get_world_size(ctx.process_group) if dist.is_initialized() else 1
-            codec = LowRankCodec(
-                model,
-                kind=self.compress,
-                rank=o.rank,
-                start_iter=o.start_iter,
-                error_feedback=o.error_feedback,
-                min_compression_rate=o.min_compression_rate,
-                seed=o.seed,
-                world=world,
-            )
+        if self.codec_class is not None:
+            pg = ctx.process_group
+            world = dist.get_world_size(pg) if dist.is_initialized() else 1
+            rank = dist.get_rank(pg) if dist.is_initialized() else 0
+            codec = self.codec_class(self.options.codec_options, world=world, rank=rank)
             if self.codec is not None:  # re-wrap: keep memory, factors and the step count
                 codec.load_state_dict(self.codec.state_dict())
         self.codec = codec
@@ -131,13 +74,13 @@ class EngineMethod(Method):
             mode=self.mode,
             process_group=ctx.process_group,
             tag=self.name,
-            broadcast_buffers=getattr(self.options, "broadcast_buffers", True),
+            broadcast_buffers=self.options.broadcast_buffers,
             codec=codec,
         )
         self.engine.attach_scaler(self.scaler)
         self.setup(self.engine)
         if self._pending_state is not None:
-            self._apply_lowrank(self._pending_state)
+            self._apply_codec(self._pending_state)
             self._apply_state(self._pending_state)
             self._pending_state = None
         self.ddp = ScheduledModule(model, self.engine)
@@ -147,32 +90,40 @@ class EngineMethod(Method):
         """Hook for subclasses: initial grouping, probes, tuners."""
 
     def _need(self) -> Engine:
+        """The engine (after :meth:`wrap`)."""
         if self.engine is None:
             raise RuntimeError(f"{self.name}: call wrap(model, ctx) first")
         return self.engine
 
     def finish_sync(self) -> None:
+        """Wait for this step's gradient collectives (the exposed communication wait)."""
         self._need().finish_sync()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The update: the engine's own for the sharded schedules (see :meth:`Engine.optimizer_step`)."""
         self._need().optimizer_step(optimizer)
 
     # AMP / non-finite steps: the engine holds the gradient (shards), so it does the work
     def attach_scaler(self, scaler: Any) -> None:
+        """Keep the scaler and hand it to the engine (it holds the gradient, so it runs the scaler's logic)."""
         super().attach_scaler(scaler)
         if self.engine is not None:
             self.engine.attach_scaler(scaler)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Unscale the engine's synchronized gradient (shards) and record the scaler's inf check."""
         self._need().unscale_(optimizer)
 
     def nonfinite_flag(self) -> torch.Tensor | None:
+        """The engine's device flag: this step's synchronized gradient is non-finite on every rank."""
         return self._need().nonfinite_this_step()
 
     def skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop what the engine would apply for this step (DeAR's undecoded messages)."""
         self._need().skip_step()
 
     def flush(self) -> None:
+        """Complete pending all-gathers and updates so the weights are whole."""
         if self.engine is not None:
             self.engine.flush()
 
@@ -182,27 +133,29 @@ class EngineMethod(Method):
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Grouping, step count and the codec's state (flush first: DeAR may hold undecoded messages)."""
         if self.engine is None:
             return dict(self._pending_state or {})
         d: dict[str, Any] = {"group_sizes": list(self.engine.sizes), "steps": self.engine.steps}
         if self.codec is not None:
-            if any(g.msg is not None for g in self.engine.groups):
-                # DeAR keeps summed factors undecoded until the next forward; flush() (on every
+            if any(g.msg is not None or g.full for g in self.engine.groups):
+                # DeAR keeps summed messages undecoded until the next forward; flush() (on every
                 # rank: it all-gathers) decodes them. Not done here: state_dict may run on rank 0 only.
                 raise RuntimeError(f"{self.name}: call flush() on every rank before state_dict()")
-            d["lowrank"] = self.codec.state_dict()
+            d["codec"] = self.codec.state_dict()
         return d
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (kept until :meth:`wrap` when no engine exists yet)."""
         if self.engine is None:
             self._pending_state = dict(state)
         else:
-            self._apply_lowrank(state)
+            self._apply_codec(state)
             self._apply_state(state)
 
-    def _apply_lowrank(self, state: dict[str, Any]) -> None:
-        if self.codec is not None and "lowrank" in state:
-            self.codec.load_state_dict(state["lowrank"])
+    def _apply_codec(self, state: dict[str, Any]) -> None:
+        if self.codec is not None and "codec" in state:
+            self.codec.load_state_dict(state["codec"])
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         sizes = state.get("group_sizes")
@@ -212,37 +165,33 @@ class EngineMethod(Method):
             engine.set_grouping(list(sizes))
 
     def describe(self) -> dict[str, Any]:
-        d = super().describe()
+        """The method's own and its codec's options, plus the engine's mode, grouping and codec state."""
+        d: dict[str, Any] = {"method": self.name, "options": describe_options(self.options)}
         if self.engine is not None:
             d.update(self.engine.describe())
         return d
 
 
 # --------------------------------------------------------------------------------------------
-@dataclass
-class WFBPOptions(CompressFields):
-    broadcast_buffers: bool = True
-
-
 @register
 class WFBP(EngineMethod):
     """Wait-free backprop: each layer's all-reduce starts as soon as its gradient is ready."""
 
     name = "wfbp"
-    Options = WFBPOptions
     mode = Mode.ALLREDUCE
+    Options = with_codec_options(name, mode, EngineFields)
 
 
 # --------------------------------------------------------------------------------------------
 @dataclass
-class MGWFBPOptions(CompressFields):
+class MGWFBPOptions(EngineFields):
+    """mgwfbp: layers merged by the α-β cost model (α, β measured at start-up unless given)."""
+
     alpha: float | None = None  # seconds per all-reduce; None: measured at start-up
     beta: float | None = None  # seconds per byte; None: measured at start-up
     profile_iters: int = 5
-    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if self.profile_iters < 1:
             raise UsageError(f"mgwfbp: profile_iters must be >= 1, got {self.profile_iters}")
         for k in ("alpha", "beta"):
@@ -258,8 +207,8 @@ class MGWFBP(EngineMethod):
     """Merged-gradient WFBP: layers fused by the α-β cost model and profiled backward times."""
 
     name = "mgwfbp"
-    Options = MGWFBPOptions
     mode = Mode.ALLREDUCE
+    Options = with_codec_options(name, mode, MGWFBPOptions)
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
@@ -267,6 +216,7 @@ class MGWFBP(EngineMethod):
         self.planned = False
 
     def setup(self, engine: Engine) -> None:
+        """Fix α and β, or probe them with real traffic; profile gradient-ready times until planning."""
         o = self.options
         if o.alpha is not None:
             self.cost = AlphaBeta(float(o.alpha), float(o.beta))
@@ -298,13 +248,14 @@ class MGWFBP(EngineMethod):
         sizes = plan_mgwfbp(
             ready, [u.nbytes for u in engine.units], [u.numel for u in engine.units], self.cost
         )
-        sizes = _agree(sizes, len(engine.units), engine, tag="mgwfbp.plan")
+        sizes = agree(sizes, len(engine.units), engine, tag="mgwfbp.plan")
         engine.set_grouping(sizes)
         engine.profiling = False
         self.planned = True
         self.ready_times = ready
 
     def state_dict(self) -> dict[str, Any]:
+        """Adds the plan and the α-β model: a resumed run keeps the plan instead of re-profiling."""
         d = super().state_dict()
         if self.engine is not None:
             d["planned"] = self.planned
@@ -321,58 +272,27 @@ class MGWFBP(EngineMethod):
                 self.cost = AlphaBeta(float(state["alpha"]), float(state["beta"]))
 
     def describe(self) -> dict[str, Any]:
+        """Adds the α-β model and whether the plan has been made."""
         d = super().describe()
         if self.cost is not None:
             d.update(alpha_s=self.cost.alpha, beta_s_per_byte=self.cost.beta, planned=self.planned)
         return d
 
 
-def _control_device(engine: Engine) -> torch.device:
-    """Where small control tensors (plans, timings) travel: the gradients' device.
-
-    A process group on NCCL alone has no CPU backend, so a CPU control tensor would fail
-    there; on the training device every backend the gradients use carries it too.
-    """
-    if engine.groups:
-        return engine.groups[0].flat.device
-    return next((p.device for u in engine.units for p in u.params), torch.device("cpu"))
-
-
-def _agree(sizes: list[int], n_units: int, engine: Engine, *, tag: str) -> list[int]:
-    """Rank 0's grouping, broadcast so every rank fuses identically."""
-    if not (engine.distributed and engine.world > 1):
-        return sizes
-    plan = torch.zeros(n_units, dtype=torch.int64)
-    plan[: len(sizes)] = torch.tensor(sizes, dtype=torch.int64)
-    plan = plan.to(_control_device(engine))
-    src = dist.get_global_rank(engine.pg, 0) if engine.pg is not None else 0
-    accounting.broadcast(plan, src, group=engine.pg, tag=tag)
-    return [int(x) for x in plan.tolist() if x > 0]
-
-
-def _agree_float(value: float, engine: Engine, *, tag: str) -> float:
-    if not (engine.distributed and engine.world > 1):
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=_control_device(engine))
-    src = dist.get_global_rank(engine.pg, 0) if engine.pg is not None else 0
-    accounting.broadcast(t, src, group=engine.pg, tag=tag)
-    return float(t.item())
-
-
 # --------------------------------------------------------------------------------------------
 @dataclass
-class DeAROptions(CompressFields):
+class DeAROptions(EngineFields):
+    """dear: fusion threshold (optionally tuned by Bayesian optimization) and its search range."""
+
     threshold_mb: float = 25.0  # fusion buffer size; 0 = one group per layer
     tune: bool = False  # Bayesian optimization of threshold_mb (DeAR section V)
     tune_trials: int = 10
     tune_iters: int = 5  # measured iterations per trial (one more is discarded)
     tune_min_mb: float = 1.0
     tune_max_mb: float = 256.0
-    seed: int = 0  # tuner and low-rank factor init
-    broadcast_buffers: bool = True
+    seed: int = 0  # tuner (and the codec's seed, when it has one)
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         check_positive("dear: threshold_mb", self.threshold_mb, allow_zero=True)
         if self.tune_trials < 1 or self.tune_iters < 1:
             raise UsageError("dear: tune_trials and tune_iters must be >= 1")
@@ -391,8 +311,8 @@ class DeAR(EngineMethod):
     """Reduce-scatter in backward, all-gather one group ahead of the next forward."""
 
     name = "dear"
-    Options = DeAROptions
     mode = Mode.DEAR
+    Options = with_codec_options(name, mode, DeAROptions)
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
@@ -402,6 +322,7 @@ class DeAR(EngineMethod):
         self.tuned = False
 
     def setup(self, engine: Engine) -> None:
+        """Fuse by the threshold; with ``tune=true`` start at the tuner's first suggestion."""
         o = self.options
         if o.tune and not self.tuned:
             total_mb = sum(u.nbytes for u in engine.units) / MB
@@ -409,10 +330,11 @@ class DeAR(EngineMethod):
             hi = min(o.tune_max_mb, max(total_mb, 1e-6))
             lo = min(o.tune_min_mb, hi / 64)
             self.tuner = ThresholdTuner(low_mb=lo, high_mb=hi, trials=o.tune_trials, seed=o.seed)
-            self.threshold_mb = _agree_float(self.tuner.suggest(), engine, tag="dear.tune")
+            self.threshold_mb = agree_float(self.tuner.suggest(), engine, tag="dear.tune")
         engine.set_grouping(fuse_by_threshold(engine.units, self.threshold_mb * MB))
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The engine's step; while tuning, time windows of iterations and move to the next threshold."""
         engine = self._need()
         engine.optimizer_step(optimizer)
         if self.tuner is None or self.tuned:
@@ -421,14 +343,14 @@ class DeAR(EngineMethod):
         if len(self._stamps) < self.options.tune_iters + 2:  # first interval after regroup dropped
             return
         elapsed = window_time(self._stamps[1:])
-        t = torch.tensor([elapsed], dtype=torch.float64, device=_control_device(engine))
+        t = torch.tensor([elapsed], dtype=torch.float64, device=control_device(engine))
         if engine.distributed and engine.world > 1:
             accounting.all_reduce(t, group=engine.pg, tag="dear.tune")
             t /= engine.world
         self.tuner.report(self.threshold_mb, float(t.item()))
         self._stamps = []
         nxt = self.tuner.best().threshold_mb if self.tuner.done else self.tuner.suggest()
-        nxt = _agree_float(nxt, engine, tag="dear.tune")
+        nxt = agree_float(nxt, engine, tag="dear.tune")
         if self.tuner.done:
             self.tuned = True
         engine.flush()
@@ -436,6 +358,7 @@ class DeAR(EngineMethod):
         self.threshold_mb = nxt
 
     def state_dict(self) -> dict[str, Any]:
+        """Adds the (tuned) threshold: a resumed run fuses the same way."""
         d = super().state_dict()
         d.update(threshold_mb=self.threshold_mb, tuned=self.tuned)
         return d
@@ -449,6 +372,7 @@ class DeAR(EngineMethod):
         super()._apply_state(state)
 
     def describe(self) -> dict[str, Any]:
+        """Adds the threshold and, while tuning, the trials measured so far."""
         d = super().describe()
         d["threshold_mb"] = self.threshold_mb
         if self.tuner is not None:
@@ -461,16 +385,10 @@ class DeAR(EngineMethod):
 
 
 # --------------------------------------------------------------------------------------------
-@dataclass
-class Lee18Options:
-    broadcast_buffers: bool = True
-    compress: str = "none"
-
-
 @register
 class Lee18(EngineMethod):
     """Per-layer reduce-scatter, sharded update, all-gather of parameters before forward."""
 
     name = "lee18"
-    Options = Lee18Options
     mode = Mode.SHARD
+    Options = with_codec_options(name, mode, EngineFields)

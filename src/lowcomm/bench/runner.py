@@ -1,0 +1,185 @@
+"""One method of ``lowcomm bench``: ``lowcomm train`` in N worker processes, read back as a row.
+
+Why out of process: each method runs exactly as a user would run it, so the measured time
+includes everything the real run pays (gloo over TCP, the shaper, the hooks' Python
+overhead). A run that fails becomes a row with ``status: "failed"`` and the most telling
+line of its log (:func:`failure_reason`), so the other methods still run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from lowcomm.bench import netns
+from lowcomm.bench.netns import NetSpec
+from lowcomm.runtime.launch import launch_workers
+
+MASTER_PORT = 29500  # inside a namespace nothing else listens
+
+
+@dataclass
+class BenchConfig:
+    """What ``lowcomm bench`` runs: the methods, the networks and the shared training settings
+    (every method of one invocation gets the same ones, so their rows are comparable)."""
+
+    methods: list[str]
+    nets: list[NetSpec]
+    nproc: int = 4
+    model: str = "resnet18"
+    data: str = "synthetic"
+    input_shape: str | None = "3,32,32"
+    batch_size: int = 32
+    iters: int = 10  # timed iterations per method
+    warmup: int = 2  # excluded from the medians
+    epochs: int | None = None  # time-to-accuracy mode
+    threads: int | None = None
+    timeout_s: float = 900.0
+    work_dir: str | None = None
+    compute_only: bool = True  # run `nocomm` for the lower bound
+    extra_train_args: list[str] = field(default_factory=list)
+    quiet: bool = False
+    predict: bool = True  # profile + collective probe + simulator prediction per row
+
+    @property
+    def tta(self) -> bool:
+        """Time-to-accuracy mode (``--epochs``) instead of timed iterations."""
+        return self.epochs is not None
+
+
+@contextlib.contextmanager
+def redirect_fds(path: Path) -> Iterator[None]:
+    """Send this process's fd 1/2 (inherited by the workers) to ``path`` while they run: the
+    workers' output goes to the run's log, not into the bench's own report."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def failure_reason(log_text: str, returncode: int) -> str:
+    """The most telling line of a failed run's log (the exception, else the last line)."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln.strip()) for ln in log_text.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if re.match(r"^[\w.]*(Error|Exception|Failure)\b|^lowcomm: error", ln)]
+    fatal = [ln for ln in lines if ln.startswith("what():") or "terminate called" in ln]
+    pick = (fatal[-1] if fatal else errors[-1] if errors else lines[-1] if lines else "no output")
+    if returncode == 124:
+        pick = f"timed out; last output: {pick}"
+    return f"exit code {returncode}: {pick[:300]}"
+
+
+def train_args(cfg: BenchConfig, method: str, json_path: Path) -> list[str]:
+    """The ``lowcomm train`` command line every worker runs for ``method``."""
+    args = ["train", "--model", cfg.model, "--data", cfg.data, "--method", method,
+            "--batch-size", str(cfg.batch_size), "--json", str(json_path)]
+    if cfg.input_shape and cfg.data == "synthetic":
+        args += ["--input-shape", cfg.input_shape]
+    if cfg.tta:
+        args += ["--epochs", str(cfg.epochs), "--warmup-steps", str(cfg.warmup)]
+    else:
+        args += ["--steps", str(cfg.iters + cfg.warmup), "--warmup-steps", str(cfg.warmup), "--no-eval"]
+    if cfg.threads:
+        args += ["--threads", str(cfg.threads)]
+    return args + ["--no-progress"] + list(cfg.extra_train_args)
+
+
+def timing_spec(spec: str, cfg: BenchConfig) -> str:
+    """In timing runs, start compressing when timing starts (after the warm-up iterations).
+
+    Methods with a ``start_iter`` option send uncompressed gradients for their first steps
+    (10 by default, as the papers advise for accuracy); a timing run of a few iterations
+    would otherwise measure plain all-reduce. An explicit ``start_iter=`` is kept, and
+    time-to-accuracy runs keep the method's defaults.
+    """
+    from lowcomm import methods
+
+    name, opts = methods.split_spec(spec)
+    if cfg.tta or "start_iter=" in opts:
+        return spec
+    options = methods.create(spec).options
+    # engine methods hold the chosen codec's options (None without one): start_iter is the codec's
+    holder = options.codec_options if hasattr(options, "codec_options") else options
+    if holder is None or "start_iter" not in {f.name for f in dataclasses.fields(holder)}:
+        return spec
+    return f"{name}:{opts + ',' if opts else ''}start_iter={cfg.warmup}"
+
+
+#: :func:`lowcomm.runtime.launch.launch_workers` or a stand-in (tests): ``(args, nproc, **kw) -> exit code``
+Launcher = Callable[..., int]
+
+
+def launch_options(cluster: netns.Cluster | None, master_port: int, *, measure_iface: bool = False) -> dict[str, Any]:
+    """The launcher's placement keywords: in ``cluster``'s namespaces (rank 0's address, a fixed
+    port, gloo bound to the namespace's interface), else on loopback. ``measure_iface``: the
+    workers also count the bytes that cross that interface (``LOWCOMM_MEASURE_IFACE``)."""
+    if cluster is None:
+        return {"rank_env": lambda r: {"GLOO_SOCKET_IFNAME": "lo"}}
+    env = {"GLOO_SOCKET_IFNAME": cluster.ifname}
+    if measure_iface:
+        env["LOWCOMM_MEASURE_IFACE"] = cluster.ifname
+    return {"master_addr": cluster.addresses[0], "master_port": master_port,
+            "rank_prefix": cluster.exec_prefix, "rank_env": lambda r: env}
+
+
+def run_method(
+    cfg: BenchConfig,
+    method: str,
+    *,
+    work: Path,
+    tag: str,
+    cluster: netns.Cluster | None,
+    launcher: Launcher | None = None,
+) -> dict[str, Any]:
+    """Run one method on the current network; return its row (``status`` ok or failed)."""
+    if launcher is None:
+        launcher = launch_workers
+    run_spec = timing_spec(method, cfg)
+    json_path = work / f"{tag}.json"
+    log_path = work / f"{tag}.log"
+    json_path.unlink(missing_ok=True)
+    kw: dict[str, Any] = {"timeout_s": cfg.timeout_s, "failure_grace_s": 10.0,
+                          **launch_options(cluster, MASTER_PORT, measure_iface=True)}
+    started = time.perf_counter()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    with redirect_fds(log_path):
+        code = launcher(train_args(cfg, run_spec, json_path), cfg.nproc, **kw)
+    wall = time.perf_counter() - started
+    if code == 130:  # the launcher caught Ctrl-C / SIGTERM and stopped the workers: stop the bench
+        raise KeyboardInterrupt
+    row: dict[str, Any] = {"method": method, "spec_run": run_spec, "wall_s": wall, "log": str(log_path),
+                           "load_avg_1m_before": load}
+    if code != 0 or not json_path.exists():
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        row.update(status="failed", reason=failure_reason(text, code) if code else "no summary JSON written")
+        return row
+    summary = json.loads(json_path.read_text())
+    row.update(status="ok")
+    for key in ("iter_time_s_median", "bytes_per_worker_per_iter", "bytes_sent_per_worker", "breakdown_s",
+                "measured_tx_bytes_per_iter", "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic"):
+        if key in summary:
+            row[key] = summary[key]
+    if cfg.tta:
+        row["accuracy_curve"] = [
+            {"epoch": h.get("epoch"), "wall_s": h["wall_s"], "test_accuracy": h["test_accuracy"]}
+            for h in summary.get("history", []) if "test_accuracy" in h and "wall_s" in h
+        ]
+    return row

@@ -1,0 +1,154 @@
+"""gTop-k (Shi et al., ICDCS'19): global top-k by recursive doubling of sparse vectors.
+
+Every worker selects its local top-k of ``g + e`` per tensor (as :mod:`lowcomm.compress.topk`,
+whose selection, seeding and memory it shares, so the result does not depend on the bucket
+layout); merges are done per tensor too. In round ``j`` (``j = 0..log2(P)-1``) worker ``i``
+swaps its current k (value, index) pairs with worker ``i XOR 2^j``, sums the two sparse
+vectors and keeps the top k again (:func:`~lowcomm.compress.topk.merge_sparse`, lower rank's
+part listed first so both partners get bit-identical results). After ``log2 P`` rounds every
+worker holds the same global top-k of the summed gradient, at a cost of
+``log2(P) * k * (value + 4)`` bytes per worker instead of all-gather's ``(P-1) * k * (value + 4)``.
+
+Non-power-of-two P (documented fallback): with ``P' = 2^floor(log2 P)``, each extra worker
+``r >= P'`` first sends its top-k to ``r - P'``, which merges it in; the ``P'`` core workers
+run recursive doubling; then core worker ``r < P - P'`` sends the result to ``r + P'``.
+
+Residual memory: ``e <- g + e`` minus the local values whose indices made it into the
+global selection (locally selected values dropped by the global merge stay in memory).
+
+Each exchange is one ``p2p`` :class:`~lowcomm.compress.codec.Message`; the rounds depend on
+each other, so all but the last are non-final and the transport completes them in order
+(identical on every rank) before the next is built by :meth:`GTopKCodec.advance`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lowcomm.compress.base import PayloadSpec, pack_payload, unpack_payload
+from lowcomm.compress.codec import Aggregation, CodecCost, Layout, Message, Round, Work, register_codec
+from lowcomm.compress.feedback import finite_flag, keep_where_, poison_
+from lowcomm.compress.topk import TopKCodec, merge_sparse_segments
+
+
+def schedule(world: int) -> tuple[int, list[int]]:
+    """(P', distances): the power-of-two core size and the partner distance of each round."""
+    core = 1 << (world.bit_length() - 1)
+    return core, [1 << j for j in range(core.bit_length() - 1)]
+
+
+def exchanges(rank: int, world: int) -> list[tuple[str, int]]:
+    """This rank's exchanges in order, as (kind, peer): ``give`` (an extra worker hands its
+    top-k in), ``take`` (and receives the result), ``fold`` (a core worker merges an extra
+    worker's top-k), ``swap`` (a recursive-doubling round), ``hand`` (the result goes out)."""
+    core, dists = schedule(world)
+    if rank >= core:
+        return [("give", rank - core), ("take", rank - core)]
+    extra = rank + core < world
+    return ([("fold", rank + core)] if extra else []) + [("swap", rank ^ d) for d in dists] + (
+        [("hand", rank + core)] if extra else [])
+
+
+@dataclass
+class _Exchange:
+    """Where one buffer's recursive doubling stands (the messages' ``ctx``)."""
+
+    comp: torch.Tensor  # g + e, local
+    idx: torch.Tensor  # local selection (int64)
+    vals: torch.Tensor  # current (values, int32 indices), merged so far
+    gidx: torch.Tensor
+    ks: list[int]
+    spec: PayloadSpec
+    finite: torch.Tensor
+    plan: list[tuple[str, int]]
+    layout: Layout
+    pos: int = 0
+
+
+@register_codec
+class GTopKCodec(TopKCodec):
+    """Global top-k by recursive doubling (``p2p`` messages); residual memory as above."""
+
+    name = "gtopk"
+    summary = "gTop-k: global top-k by recursive doubling, log2(P) rounds of k (value, index) pairs"
+    caveat = "global top-k: needs error feedback; keeps only k values worldwide per step."
+    aggregation = Aggregation.GATHER
+
+    def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
+               pad_to: int = 1) -> Message:
+        """Local top-k of ``g + e`` per tensor, then the first exchange."""
+        self.prepare(layout)
+        comp = flat.clone()
+        if self.options.error_feedback:
+            comp.add_(self.memory.get(layout.names, layout.sizes, flat))
+        ks = self.ks(layout.shapes)
+        idx = self.topk.select_segments(comp, layout.sizes)
+        vals = poison_(comp[idx], finite)
+        k = sum(ks)
+        state = _Exchange(comp, idx, vals, idx.to(torch.int32), ks, [(vals.dtype, k), (torch.int32, k)],
+                          finite, exchanges(self.rank, self.world), layout)
+        return self._message(state)
+
+    def _message(self, st: _Exchange) -> Message:
+        buf = pack_payload([st.vals, st.gidx])
+        if st.pos == len(st.plan):  # one worker: nothing to exchange
+            return Message(buf, "none", ctx=st)
+        kind, peer = st.plan[st.pos]
+        return Message(buf, "p2p", final=st.pos == len(st.plan) - 1, peer=peer,
+                       send=kind in ("give", "swap", "hand"), recv=kind in ("take", "fold", "swap"), ctx=st)
+
+    def _apply(self, msg: Message, received: torch.Tensor) -> _Exchange:
+        """Fold what ``msg`` received into the running selection."""
+        st: _Exchange = msg.ctx
+        if msg.collective == "none":
+            return st
+        kind, peer = st.plan[st.pos]
+        st.pos += 1
+        if kind in ("give", "hand"):
+            return st
+        ov, oi = unpack_payload(received, st.spec)
+        if kind == "take":
+            st.vals, st.gidx = ov.clone(), oi.clone()
+        else:
+            mine, theirs = (st.vals, st.gidx), (ov, oi)
+            pair = [theirs, mine] if kind == "swap" and peer < self.rank else [mine, theirs]
+            st.vals, st.gidx = merge_sparse_segments(pair, st.ks)
+        return st
+
+    def advance(self, msg: Message, received: torch.Tensor) -> Message:
+        """The next exchange, after merging what this one received."""
+        return self._message(self._apply(msg, received))
+
+    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` <- global top-k / P; memory keeps what the global selection dropped."""
+        st = self._apply(msg, received)
+        gidx = st.gidx.long()
+        layout = st.layout
+        if self.options.error_feedback:  # branch-free: kept unless input and result are finite
+            comp, idx = st.comp, st.idx
+            chosen = torch.zeros(comp.numel(), dtype=torch.bool, device=comp.device)
+            chosen[gidx] = True
+            comp[idx] = torch.where(chosen[idx], torch.zeros((), dtype=comp.dtype, device=comp.device), comp[idx])
+            mem = self.memory.get(layout.names, layout.sizes, comp)
+            keep_where_(mem, st.finite & finite_flag(st.vals), comp)
+        vals = st.vals.to(out.dtype) / self.world
+        out.zero_()
+        out[gidx] = vals
+
+    def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
+             step: int | None = None) -> CodecCost:
+        """Rank 0's rounds (the busiest worker): a receive-only fold-in when P is not a power
+        of two, ``log2 P'`` swaps of ``sum_i k_i * (dtype_bytes + 4)`` bytes, then the result
+        handed to the extra worker."""
+        encode, _ = self.work(shapes)
+        merge = Work(topk=2 * sum(self.ks(shapes)))
+        nbytes = self.payload_bytes(shapes, dtype_bytes)
+        plan = exchanges(0, world)
+        rounds = [Round("p2p", nbytes if kind != "fold" else 0, merge if kind in ("fold", "swap") else Work(),
+                        blocking=i < len(plan) - 1, recv_nbytes=nbytes) for i, (kind, _) in enumerate(plan)]
+        if rounds:
+            rounds[-1].then = rounds[-1].then + Work(scatter=sum(self.ks(shapes))) + self.decode_once(shapes)
+        return CodecCost(encode, rounds)

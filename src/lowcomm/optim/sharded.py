@@ -1,0 +1,198 @@
+"""The shard-aware update used by the ``dear`` and ``lee18`` schedules, for any torch optimizer.
+
+Why it is here and not in the engine: *when* gradients travel is the schedule's business
+(:mod:`lowcomm.sched.engine`), *how* they become new weights is the update axis. Both sharded
+schedules change only the second in one of two ways, and neither needs its own optimizer:
+
+* **per-group step** (DeAR, :func:`step_subset`): the averaged gradient of one fusion group
+  arrives just before that group's forward, so the user's optimizer runs on that group's
+  parameters only, with the hyperparameters recorded when the user called the step
+  (:func:`hyperparameters`: an LR scheduler stepped in between must not leak in). For an
+  elementwise optimizer (SGD with momentum/Nesterov/weight decay, Adam, AdamW) the union of
+  the per-group steps is exactly one ordinary step.
+* **sharded optimizer** (Lee et al. 2018, :class:`ShardedOptimizer`): each rank updates only
+  its 1/P slice of every fused buffer with a copy of the user's optimizer (same class and
+  hyperparameters) whose state covers just that slice. A full optimizer state (a checkpoint,
+  or the consolidation after a flush) is imported slice-wise, and :meth:`ShardedOptimizer.consolidate`
+  writes the full state back into the user's optimizer, so ``optimizer.state_dict()`` stays an
+  ordinary checkpoint any method can load.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowcomm.errors import UsageError
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (everything but ``params``), as they are now."""
+    return [{k: v for k, v in pg.items() if k != "params"} for pg in optimizer.param_groups]
+
+
+def step_subset(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter],
+                grads: Sequence[torch.Tensor], hyper: Sequence[dict[str, Any]]) -> None:
+    """Run ``optimizer.step()`` on ``params`` only, with gradients ``grads`` and the recorded
+    hyperparameters ``hyper`` (one dict per param group, from :func:`hyperparameters`).
+
+    The optimizer's state (momentum, Adam moments, step counts) is keyed by parameter, so
+    stepping a subset updates exactly that subset's state. The ``.grad`` of ``params`` is
+    cleared afterwards: the gradient lives in the caller's buffer.
+    """
+    members = {id(p) for p in params}
+    for p, g in zip(params, grads):
+        p.grad = g
+    original = optimizer.param_groups
+    subset = []
+    for pg, h in zip(original, hyper):
+        ps = [p for p in pg["params"] if id(p) in members]
+        if ps:
+            subset.append({**pg, **h, "params": ps})
+    try:
+        optimizer.param_groups = subset
+        optimizer.step()
+    finally:
+        optimizer.param_groups = original
+        for p in params:
+            p.grad = None
+
+
+@dataclass
+class FlatShard:
+    """One fused buffer as one rank sees it: its parameters at ``offsets`` in the flat buffer
+    of ``numel`` elements, and ``grad``, this rank's slice of the averaged gradient, which
+    starts at ``lo``."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]
+    grad: torch.Tensor
+    lo: int
+
+
+@dataclass
+class _Piece:
+    """The part ``[a, b)`` of parameter ``param`` (buffer ``k``, position ``i``) this rank owns."""
+
+    param: nn.Parameter
+    k: int
+    i: int
+    a: int
+    b: int
+    piece: nn.Parameter
+
+
+class ShardedOptimizer:
+    """A copy of the user's optimizer over this rank's slice of every buffer (lee18).
+
+    :attr:`param_shards` hold this rank's slice of each buffer's parameters; the schedule
+    all-gathers them into the full weights after :meth:`step`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buffers: Sequence[FlatShard], *, owner: str = "lee18") -> None:
+        self.buffers = list(buffers)
+        self.param_shards: list[torch.Tensor] = []
+        self.pieces: list[_Piece] = []
+        self.dirty = False  # stepped since the last consolidation
+        pieces_of: dict[int, nn.Parameter] = {}
+        for k, buf in enumerate(self.buffers):
+            shard = torch.zeros_like(buf.grad)
+            self.param_shards.append(shard)
+            lo, hi = buf.lo, buf.lo + buf.grad.numel()
+            for i, p in enumerate(buf.params):
+                o = buf.offsets[i]
+                a, b = max(lo, o), min(hi, o + p.numel())
+                if b <= a:  # empty piece: keeps per-parameter state (AdamW's step) on every rank
+                    piece = nn.Parameter(shard[0:0])
+                    a = b = 0
+                else:
+                    view = shard[a - lo : b - lo]
+                    with torch.no_grad():
+                        view.copy_(p.detach().reshape(-1)[a - o : b - o])
+                    piece = nn.Parameter(view)
+                    a, b = a - o, b - o
+                pieces_of[id(p)] = piece
+                self.pieces.append(_Piece(p, k, i, a, b, piece))
+        self._set_grads()
+        groups = [{**{k: v for k, v in pg.items() if k != "params"},
+                   "params": [pieces_of[id(p)] for p in pg["params"] if id(p) in pieces_of]}
+                  for pg in optimizer.param_groups]
+        self._live = [bool(g["params"]) for g in groups]
+        cls = type(optimizer)
+        accepted = inspect.signature(cls.__init__).parameters
+        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        try:
+            self.optimizer = cls([g for g in groups if g["params"]], **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise UsageError(
+                f"{owner} could not build a sharded copy of {cls.__name__} ({e}); it needs an "
+                "elementwise torch optimizer such as SGD, Adam or AdamW"
+            ) from None
+
+    def _set_grads(self) -> None:
+        for pc in self.pieces:
+            buf = self.buffers[pc.k]
+            start = buf.offsets[pc.i] + pc.a - buf.lo
+            pc.piece.grad = buf.grad[start : start + (pc.b - pc.a)] if pc.b > pc.a else buf.grad[0:0]
+
+    def import_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take this rank's slice of any full state in ``optimizer`` (a loaded checkpoint or a
+        consolidation) and drop it there: from now on the slice is the state."""
+        for pc in self.pieces:
+            full = optimizer.state.pop(pc.param, None)
+            if not full:
+                continue
+            st = {}
+            for k, v in full.items():
+                if torch.is_tensor(v) and v.shape == pc.param.shape:
+                    st[k] = v.detach().reshape(-1)[pc.a : pc.b].clone()
+                else:
+                    st[k] = v.clone() if torch.is_tensor(v) else v
+            self.optimizer.state[pc.piece] = st
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One update of this rank's slices with ``optimizer``'s current hyperparameters."""
+        self.import_state(optimizer)
+        live = [pg for pg, ok in zip(optimizer.param_groups, self._live) if ok]
+        for upg, spg in zip(live, self.optimizer.param_groups):
+            for k, v in upg.items():
+                if k != "params":
+                    spg[k] = v
+        self._set_grads()
+        self.optimizer.step()
+        self.dirty = True
+
+    def consolidate(self, optimizer: torch.optim.Optimizer,
+                    gather: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
+        """Write the full state into ``optimizer.state``; ``gather(k, local)`` returns buffer
+        ``k``'s full flat tensor from every rank's ``local`` slice (an all-gather)."""
+        state = self.optimizer.state
+        for k, buf in enumerate(self.buffers):
+            items = [pc for pc in self.pieces if pc.k == k]
+            keys = sorted({key for pc in items for key, v in state.get(pc.piece, {}).items()
+                           if torch.is_tensor(v) and v.shape == pc.piece.shape})
+            full_by_key = {}
+            for key in keys:
+                local = torch.zeros_like(buf.grad)
+                for pc in items:
+                    v = state.get(pc.piece, {}).get(key)
+                    if v is not None and pc.b > pc.a:
+                        start = buf.offsets[pc.i] + pc.a - buf.lo
+                        local[start : start + (pc.b - pc.a)] = v
+                full_by_key[key] = gather(k, local)
+            for pc in items:
+                st: dict[str, Any] = {}
+                for key, v in state.get(pc.piece, {}).items():
+                    if key in full_by_key:
+                        o = buf.offsets[pc.i]
+                        st[key] = full_by_key[key][o : o + pc.param.numel()].view_as(pc.param).clone()
+                    else:
+                        st[key] = v.clone() if torch.is_tensor(v) else v
+                if st:
+                    optimizer.state[pc.param] = st
+        self.dirty = False

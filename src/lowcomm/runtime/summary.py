@@ -1,0 +1,64 @@
+"""The JSON summary of a finished run (``--json``), rank 0's report of what was measured.
+
+Why apart from the loop: its keys are an interface (the benchmark harness, the docs and the
+tests read them) and must not move when the loop changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lowcomm.comm import accounting
+
+if TYPE_CHECKING:
+    from lowcomm.runtime.trainer import Trainer
+
+
+def summary(t: Trainer) -> dict[str, Any]:
+    """Timing medians (the first ``warmup_steps`` steps left out), bytes, accuracy and the
+    effective settings of trainer ``t``'s run."""
+    skip = min(t.warmup_steps, max(0, len(t.step_times) - 1))
+    times = t.step_times[skip:]
+    bytes_iter = t.step_bytes[skip:]
+    led = accounting.ledger()
+    iter_median = float(np.median(times)) if times else 0.0
+    last = t.history[-1] if t.history else {}
+    result: dict[str, Any] = {
+        "method": t.cfg.method,
+        "world_size": t.dist.world_size,
+        "model": t.cfg.model,
+        "data": t.cfg.data,
+        "synthetic": bool(t.bundle.synthetic),
+        "epochs": t.epochs,
+        "steps": t.step,
+        "batch_size": t.cfg.batch_size,
+        # effective settings, after any method override (e.g. signum turns momentum off)
+        "optimizer": {"name": t.cfg.optimizer, "lr": t.cfg.lr,
+                      "momentum": t.cfg.momentum, "weight_decay": t.cfg.weight_decay},
+        "amp": t.cfg.amp,
+        "params": sum(p.numel() for p in t.raw.parameters()),
+        "params_initial": t.params_before,
+        "bytes_sent_per_worker": led.wire_bytes,
+        "bytes_per_worker_per_iter": float(np.median(bytes_iter)) if bytes_iter else 0.0,
+        "iter_time_s_median": iter_median,
+        "measured_tx_bytes_per_iter": float(np.median(t.step_tx[skip:])) if t.step_tx[skip:] else None,
+        "samples_per_s": t.cfg.batch_size * t.dist.world_size / iter_median if iter_median else 0.0,
+        "breakdown_s": t.timer.medians(skip),
+        "timed_steps": len(times),
+        "threads": torch.get_num_threads(),
+        "device": str(t.dist.device),
+        "method_info": t.method.describe(),
+        "traffic": led.as_dict(),
+        "history": t.history,
+    }
+    if t.task == "classification":
+        result["final_test_accuracy"] = last.get("test_accuracy")
+    else:
+        result["final_test_metric"] = last.get("test_perplexity")
+        result["metric_name"] = "perplexity"
+    if t.bundle.synthetic:
+        result["note"] = "synthetic data: timing only"
+    return result

@@ -1,0 +1,123 @@
+"""What is trained on what: seeding, the model sized to the data, the loss, per-rank batches.
+
+Why apart from the loop: these are decided from the config and the dataset alone, and the
+evaluation needs the same loss and batching as the training step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+from torch.utils.data.distributed import DistributedSampler
+
+from lowcomm import models as model_registry
+from lowcomm.data import DataBundle
+from lowcomm.errors import UsageError
+from lowcomm.runtime.config import TrainConfig
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch: identical initial weights on every rank."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _accepted_kwargs(factory: Callable[..., nn.Module], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``kwargs`` that ``factory`` accepts (all of them for ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def build_model(cfg: TrainConfig, bundle: DataBundle) -> nn.Module:
+    """Create the model sized to the data (classes / vocabulary / input width)."""
+    factory = model_registry.MODELS.get(cfg.model)
+    implied: dict[str, Any] = {}
+    if bundle.task == "classification" and bundle.num_classes:
+        implied["num_classes"] = bundle.num_classes
+    if bundle.vocab_size:
+        implied["vocab_size"] = bundle.vocab_size
+    if bundle.input_shape:
+        implied["input_dim"] = bundle.input_shape[0] if len(bundle.input_shape) == 1 else None
+        implied = {k: v for k, v in implied.items() if v is not None}
+    kwargs = {**_accepted_kwargs(factory, implied), **cfg.model_args}
+    try:
+        return model_registry.create(cfg.model, **kwargs)
+    except TypeError as e:
+        raise UsageError(f"model {cfg.model!r} does not accept these arguments: {e}") from None
+
+
+def task_of(model_name: str, bundle: DataBundle) -> str:
+    """The task ``bundle`` is for, refused when the model is built for another one."""
+    info = getattr(model_registry, "info", None)
+    model_task = info(model_name).task if info else bundle.task
+    if model_task != bundle.task:
+        raise UsageError(
+            f"model {model_name!r} is a {model_task} model but data {bundle.name!r} is "
+            f"{bundle.task} data"
+        )
+    return str(bundle.task)
+
+
+def loss_fn(task: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, over every token for a language model."""
+    if task == "language_model":
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return nn.functional.cross_entropy(logits, y)
+
+
+class Batches:
+    """Deterministic per-rank batches for an epoch, resumable at any batch index.
+
+    Same permutation as ``DistributedSampler(shuffle=True, seed, drop_last=False)`` after
+    ``set_epoch(epoch)``: every rank gets the same number of batches, so collectives match.
+    """
+
+    def __init__(self, dataset: Dataset[Any], batch_size: int, rank: int, world: int, seed: int, shuffle: bool = True) -> None:
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.sampler: DistributedSampler[int] = torch.utils.data.distributed.DistributedSampler(
+            dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
+        )
+        self.tensors = getattr(dataset, "tensors", None)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank (the last one may be short)."""
+        return math.ceil(len(self.sampler) / self.batch_size)
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches of ``epoch`` from ``start_batch`` on (resume mid-epoch)."""
+        self.sampler.set_epoch(epoch)
+        indices = list(self.sampler)
+        for b in range(start_batch, len(self)):
+            idx = indices[b * self.batch_size : (b + 1) * self.batch_size]
+            yield self.fetch(idx)
+
+    def fetch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The samples at ``idx`` as one batch (indexing tensors directly when possible)."""
+        if self.tensors is not None:
+            t = torch.as_tensor(idx)
+            return self.tensors[0][t], self.tensors[1][t]
+        items = [self.dataset[i] for i in idx]
+        xs, ys = zip(*items)
+        return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack([torch.as_tensor(y) for y in ys])
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP-style wrappers (``.module`` chains)."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model

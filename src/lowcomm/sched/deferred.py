@@ -1,0 +1,123 @@
+"""The sharded modes' other half: all-gathers one group ahead of the forward, and the update.
+
+Why apart from :mod:`lowcomm.sched.engine`: the engine's backward side is the same for every
+mode; only ``dear`` and ``lee18`` defer work to the next forward. After the user's step
+(:meth:`Deferred.step`) every group is *pending*; a forward pre-hook on each layer calls
+:meth:`Deferred.ensure_ready`, which waits for that group's all-gather, starts the next
+pending group's (one group ahead, so it overlaps this group's forward) and
+
+* ``dear``: decodes a compressed group's summed message if it has one, then runs the user's
+  optimizer on this group's parameters only (:func:`lowcomm.optim.sharded.step_subset`, with
+  the hyperparameters recorded at the step);
+* ``lee18``: copies the all-gathered updated parameters into the model (the update already
+  ran on this rank's shards, :class:`lowcomm.optim.sharded.ShardedOptimizer`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lowcomm.comm import accounting
+from lowcomm.optim.sharded import FlatShard, ShardedOptimizer, hyperparameters, step_subset
+from lowcomm.runtime import timing
+from lowcomm.sched.groups import Group
+from lowcomm.sched.pairing import Mode
+
+if TYPE_CHECKING:
+    from lowcomm.sched.engine import Engine
+
+
+class Deferred:
+    """Deferred all-gathers and updates of one sharded engine (see module doc)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.hyper: list[dict[str, Any]] = []
+        #: lee18's sharded copy of the user's optimizer (built at the first step)
+        self.sharded: ShardedOptimizer | None = None
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Record (DeAR) or run (lee18) the update; start the all-gather of group 0."""
+        e = self.engine
+        self.optimizer = optimizer
+        if e.mode is Mode.DEAR:
+            self.hyper = hyperparameters(optimizer)
+        else:
+            if self.sharded is None:
+                self.sharded = ShardedOptimizer(optimizer, [
+                    FlatShard(g.params, g.offsets, g.shard, e.rank * g.shard.numel()) for g in e.groups
+                ])
+            self.sharded.step(optimizer)
+        for g in e.groups:
+            g.pending = True
+        self._launch(e.groups[0])
+
+    def _launch(self, g: Group) -> None:
+        e = self.engine
+        if not g.pending or g.ag_work is not None:
+            return
+        if g.msg is not None:  # DeAR + a summed payload: gather the summed message shards
+            assert e.carrier is not None
+            g.ag_work = e.carrier.start_gather(g)
+            return
+        if g.full:  # DeAR + a gathered payload: every rank holds the whole mean already
+            g.ag_work = True
+            return
+        if e.mode is Mode.DEAR:
+            src = g.shard
+        else:
+            assert self.sharded is not None
+            src = self.sharded.param_shards[g.index]
+        if not e.distributed:
+            g.flat.copy_(src)
+            g.ag_work = True
+            return
+        g.ag_work = accounting.all_gather_into_tensor(g.flat, src, group=e.pg, async_op=True, tag=f"{e.tag}.ag")
+
+    def ensure_ready(self, gi: int) -> None:
+        """Make group ``gi``'s parameters current; start the next pending group's all-gather."""
+        e = self.engine
+        g = e.groups[gi]
+        if not g.pending:
+            return
+        self._launch(g)
+        if g.ag_work is not True:
+            with timing.measure("comm_wait"):  # exposed all-gather wait inside forward
+                g.ag_work.wait()  # type: ignore[attr-defined]
+        g.ag_work = None
+        g.pending = False
+        for nxt in e.groups[gi + 1 :]:
+            if nxt.pending:
+                self._launch(nxt)
+                break
+        if g.msg is not None:
+            assert e.carrier is not None
+            e.carrier.gather(g)  # averaged gradient -> g.flat
+        g.full = False
+        if e.mode is Mode.DEAR:
+            assert self.optimizer is not None
+            grads = [g.slice_of(i).view_as(p) for i, p in enumerate(g.params)]
+            step_subset(self.optimizer, g.params, grads, self.hyper)
+        else:
+            with torch.no_grad():
+                for i, p in enumerate(g.params):
+                    p.copy_(g.slice_of(i).view_as(p))
+
+    def flush(self) -> None:
+        """Complete all pending all-gathers/updates; lee18: consolidate the optimizer state."""
+        for g in self.engine.groups:
+            self.ensure_ready(g.index)
+        if self.sharded is not None and self.sharded.dirty and self.optimizer is not None:
+            self.sharded.consolidate(self.optimizer, self._gather_state)
+
+    def _gather_state(self, k: int, local: torch.Tensor) -> torch.Tensor:
+        e = self.engine
+        full = torch.empty_like(e.groups[k].flat)
+        if e.distributed:
+            accounting.all_gather_into_tensor(full, local, group=e.pg, tag=f"{e.tag}.state")
+        else:
+            full.copy_(local)
+        return full

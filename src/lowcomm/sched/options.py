@@ -1,0 +1,121 @@
+"""``--method`` options of the engine schedules: their own keys plus the chosen codec's.
+
+Why: ``compress=<codec>`` can be any registered codec, and its options are written in the same
+spec (``dear:compress=acpsgd,rank=4``, ``wfbp:compress=topk,density=0.1``). The option parser
+(:func:`lowcomm.methods.base.parse_options`) reads one dataclass per method, so each schedule's
+``Options`` (:func:`with_codec_options`) holds its own fields and every registered codec's
+fields, the latter *unset* unless given. After parsing, the keys given for the codec are
+validated by that codec's own ``Options`` (same messages and defaults as ``--method <codec>``);
+a key that belongs neither to the schedule nor to the chosen codec is refused, listing both.
+A key both sides know (``seed``) goes to both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lowcomm.compress.codec import CODECS, Codec, codec_class
+from lowcomm.errors import UsageError
+from lowcomm.sched.pairing import Mode, mode_refusal
+
+
+class _Unset:
+    """The default of a codec option that was not given (one object; survives copies)."""
+
+    def __repr__(self) -> str:
+        return "unset"
+
+    def __copy__(self) -> _Unset:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Unset:
+        return self
+
+    def __reduce__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()
+
+
+def _codec_fields() -> dict[str, dataclasses.Field[Any]]:
+    """Every registered codec's option fields, by name (the first codec's type wins)."""
+    out: dict[str, dataclasses.Field[Any]] = {}
+    for name in CODECS.names():
+        for f in dataclasses.fields(codec_class(name).Options):
+            out.setdefault(f.name, f)
+    return out
+
+
+def own_fields(options: Any) -> list[str]:
+    """The schedule's own option names (``compress`` included), in declaration order."""
+    return [f.name for f in dataclasses.fields(type(options)) if not f.metadata.get("codec")]
+
+
+def with_codec_options(schedule: str, mode: Mode, own: type) -> type:
+    """The ``Options`` dataclass of engine schedule ``schedule``: ``own`` (a dataclass with a
+    ``compress`` field) plus every codec's fields, unset by default (see module doc)."""
+    own_names = {f.name for f in dataclasses.fields(own)}
+    extra = [(n, f.type, dataclasses.field(default=UNSET, metadata={"codec": True}))
+             for n, f in _codec_fields().items() if n not in own_names]
+
+    def __post_init__(self: Any) -> None:
+        base = getattr(own, "__post_init__", None)
+        if base is not None:
+            base(self)
+        self.codec_options = codec_options(schedule, mode, self)
+
+    cls = dataclasses.make_dataclass(f"{own.__name__}WithCodec", extra, bases=(own,),
+                                     namespace={"__post_init__": __post_init__, "__doc__": own.__doc__})
+    cls.__module__ = own.__module__
+    return cls
+
+
+def chosen_codec(options: Any) -> type[Codec] | None:
+    """The codec class ``compress=`` names, or None for ``none``."""
+    name = str(getattr(options, "compress", "none")).strip().lower()
+    return None if name in ("", "none") else codec_class(name)
+
+
+def codec_options(schedule: str, mode: Mode, options: Any) -> Any:
+    """The chosen codec's ``Options`` built from the keys given in ``options`` (None without a
+    codec); refuses pairs that cannot work and keys that belong to neither side."""
+    fields = dataclasses.fields(type(options))
+    given = {f.name: getattr(options, f.name) for f in fields
+             if f.metadata.get("codec") and getattr(options, f.name) is not UNSET}
+    own = own_fields(options)
+    codec = chosen_codec(options)
+    if codec is None:
+        if given:
+            raise UsageError(
+                f"{schedule}: option(s) {', '.join(sorted(given))} belong to a compressor; give "
+                f"compress=<name> too (valid: none, {', '.join(CODECS.names())})"
+            )
+        return None
+    refusal = mode_refusal(mode, schedule, codec)
+    if refusal is not None:
+        raise UsageError(refusal)
+    valid = [f.name for f in dataclasses.fields(codec.Options)]
+    for key in given:
+        if key not in valid:
+            raise UsageError(
+                f"unknown option {key!r} for method '{schedule}:compress={codec.name}'; valid: "
+                f"{', '.join(own)} (schedule) and {', '.join(valid) or 'none'} ({codec.name})"
+            )
+    shared = {k: getattr(options, k) for k in valid if k in own}
+    try:
+        return codec.Options(**shared, **given)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, UsageError):
+            raise
+        raise UsageError(f"invalid options for compress={codec.name} of {schedule!r}: {e}") from None
+
+
+def describe_options(options: Any) -> dict[str, Any]:
+    """The schedule's own options and the codec's (for a run summary: no unset values)."""
+    d = {k: getattr(options, k) for k in own_fields(options)}
+    co = getattr(options, "codec_options", None)
+    if co is not None:
+        d.update(dataclasses.asdict(co))
+    return d

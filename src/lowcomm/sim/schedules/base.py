@@ -1,0 +1,213 @@
+"""What every schedule shares: the model's gradient tensors, the simulation state and the
+priced kernels, and the :class:`Schedule` interface.
+
+Why a separate module: the DDP-bucket schedules (:mod:`.ddp`), the engine schedules
+(:mod:`.engine`) and the codec emission (:mod:`.codec`) all issue tasks through :class:`Sim`
+and plan over :class:`Bucket` s; none of them should depend on another for that.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from lowcomm.compress.codec import Work
+from lowcomm.errors import check_positive
+from lowcomm.sim.network import NetworkModel, collective_wire_bytes
+from lowcomm.sim.profile import Profile
+from lowcomm.sim.timeline import Task, Timeline
+
+if TYPE_CHECKING:
+    from lowcomm.sim.schedules.codec import CodecPlan
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GradTensor:
+    """One parameter's gradient: the layer producing it and its shape (codecs cost by shape)."""
+
+    layer: int
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the gradient."""
+        return math.prod(self.shape)
+
+
+@dataclass
+class Bucket:
+    """Gradients fused into one buffer (a DDP bucket or an engine group), in backward order."""
+
+    index: int
+    tensors: list[GradTensor]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the fused buffer."""
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The shapes a codec's :meth:`~lowcomm.compress.codec.Codec.cost` is asked about."""
+        return [t.shape for t in self.tensors]
+
+    @property
+    def ready_layer(self) -> int:
+        """The layer whose backward completes the bucket (lowest index: backward runs last→first)."""
+        return min(t.layer for t in self.tensors)
+
+
+class Sim:
+    """Shared state of one simulation run: the profile, P, network, timeline, priced kernels."""
+
+    def __init__(self, profile: Profile, workers: int, network: NetworkModel, *,
+                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0) -> None:
+        check_positive("bucket_mb", bucket_mb)
+        check_positive("first_bucket_mb", first_bucket_mb)
+        self.bucket_bytes = bucket_mb * MIB
+        self.first_bucket_bytes = first_bucket_mb * MIB
+        self.profile = profile
+        self.p = workers
+        self.net = network
+        self.tl = Timeline()
+        self.bpe = profile.bytes_per_elem
+        self.c = profile.costs
+
+    # -- model ---------------------------------------------------------------------------
+    def tensors_backward(self) -> list[GradTensor]:
+        """Gradient tensors in the order backward produces them (last layer first)."""
+        out = []
+        for i in reversed(range(len(self.profile.layers))):
+            for s in reversed(self.profile.layers[i].param_shapes):
+                out.append(GradTensor(i, tuple(s)))
+        return [t for t in out if t.numel > 0]
+
+    def layer_bytes(self, i: int) -> int:
+        """Gradient bytes of layer ``i``."""
+        return self.profile.layers[i].numel * self.bpe
+
+    # -- kernels (seconds) ----------------------------------------------------------------
+    def price(self, work: Work) -> float:
+        """Seconds of a codec phase's kernels at the profile's measured per-unit costs."""
+        c = self.c
+        return (work.elementwise * c.elementwise_s_per_elem + work.matmul_flops * c.matmul_s_per_flop
+                + work.orthogonalize * c.orthogonalize_s_per_elem + work.topk * c.topk_s_per_elem
+                + work.scatter * c.scatter_s_per_elem)
+
+    # -- tasks ---------------------------------------------------------------------------
+    def compute(self, name: str, seconds: float, it: int, *, kind: str = "compress",
+                after: Iterable[Task | None] = ()) -> Task:
+        """Work on the compute stream (it delays whatever compute is issued after it)."""
+        return self.tl.add(name, "compute", seconds, kind=kind, iteration=it, after=after)
+
+    def comm_side(self, name: str, seconds: float, it: int, after: Iterable[Task | None] = ()) -> Task:
+        """Compression work done in a collective's callback, on the comm chain."""
+        return self.tl.add(name, "comm", seconds, kind="compress", iteration=it, after=after)
+
+    def collective(self, name: str, collective: str, payload: int, it: int,
+                   after: Iterable[Task | None] = (), *, timed_bytes: int | None = None) -> Task:
+        """One collective of ``payload`` bytes per worker (the accounting layer's convention).
+
+        ``timed_bytes``: bytes that set its duration when they differ from what this worker
+        sends (a receive-only point-to-point round)."""
+        p = self.p
+        nbytes = payload if timed_bytes is None else timed_bytes
+        if collective == "all_reduce":
+            t = self.net.all_reduce(nbytes, p)
+        elif collective == "reduce_scatter":
+            t = self.net.reduce_scatter(nbytes, p)
+        elif collective == "all_gather":
+            t = self.net.all_gather(nbytes, p)
+        elif collective == "broadcast":
+            t = self.net.broadcast(nbytes, p)
+        elif collective == "p2p":
+            t = self.net.point_to_point(nbytes) if p > 1 else 0.0
+        else:
+            raise ValueError(collective)
+        return self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
+                           wire_bytes=collective_wire_bytes(collective, payload, p))
+
+    def forward_layer(self, i: int, it: int, after: Iterable[Task | None] = ()) -> Task:
+        """Layer ``i``'s forward on the compute stream."""
+        return self.tl.add(f"fwd.{i}", "compute", self.profile.layers[i].forward_s,
+                           kind="forward", iteration=it, after=after)
+
+    def backward_layer(self, i: int, it: int) -> Task:
+        """Layer ``i``'s backward on the compute stream (its gradients are ready at its end)."""
+        return self.tl.add(f"bwd.{i}", "compute", self.profile.layers[i].backward_s,
+                           kind="backward", iteration=it)
+
+
+@dataclass
+class NoOptions:
+    """Schedules without options of their own."""
+
+
+class Schedule(ABC):
+    """Which tasks one iteration issues, in program order.
+
+    ``options`` is the method's own options object (``lowcomm.methods``), so a spec that
+    trains also simulates; schedules read the fields they need with :meth:`opt`. ``codec``
+    (a :class:`~lowcomm.sim.schedules.codec.CodecPlan`) is the payload, when there is one.
+    """
+
+    name: ClassVar[str] = "base"
+    Options: ClassVar[type] = NoOptions
+    summary: ClassVar[str] = ""
+    #: under which conditions it keeps accuracy (the advisor prints it)
+    caveat: ClassVar[str] = ""
+    #: same updates as synchronous SGD (scheduling only), when it carries no codec
+    exact: ClassVar[bool] = False
+    #: a training method the advisor compares (not a measurement baseline)
+    advised: ClassVar[bool] = True
+
+    def __init__(self, options: Any = None, codec: CodecPlan | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+        self.codec = codec
+
+    def opt(self, key: str, default: Any) -> Any:
+        """The option ``key`` if the options object has it (and it is set), else ``default``."""
+        value = getattr(self.options, key, None)
+        return default if value is None else value
+
+    def profile_for(self, profile: Profile) -> Profile:
+        """The profile whose model this method trains (Pufferfish: the factorized one)."""
+        return profile
+
+    def setup(self, sim: Sim) -> None:  # noqa: B027 - optional hook, not abstract
+        """Plan buckets/groups once per run (nothing to plan by default)."""
+
+    @abstractmethod
+    def iteration(self, sim: Sim, it: int) -> None:
+        """Add iteration ``it``'s tasks to ``sim.tl``."""
+
+
+def ddp_buckets(tensors: list[GradTensor], bpe: int, cap_bytes: float,
+                first_cap_bytes: float) -> list[Bucket]:
+    """DDP's assignment: fill in backward order, close a bucket once it reaches its cap."""
+    buckets: list[Bucket] = []
+    cur: list[GradTensor] = []
+    size = 0
+    for t in tensors:
+        cur.append(t)
+        size += t.numel * bpe
+        limit = first_cap_bytes if not buckets else cap_bytes
+        if size >= limit:
+            buckets.append(Bucket(len(buckets), cur))
+            cur, size = [], 0
+    if cur:
+        buckets.append(Bucket(len(buckets), cur))
+    return buckets
+
+
+def layer_buckets(sim: Sim, groups: list[list[int]]) -> list[Bucket]:
+    """One bucket per group of layers (the engine's fusion groups), tensors in backward order."""
+    by_layer: dict[int, list[GradTensor]] = {}
+    for t in sim.tensors_backward():
+        by_layer.setdefault(t.layer, []).append(t)
+    return [Bucket(k, [t for i in g for t in by_layer.get(i, [])]) for k, g in enumerate(groups)]

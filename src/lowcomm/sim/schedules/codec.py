@@ -1,0 +1,118 @@
+"""Any registered codec inside the simulator: its declared cost, priced and issued as tasks.
+
+Why: the simulator must carry every compressor of :data:`lowcomm.compress.codec.CODECS`
+without a line of per-compressor code, so a new codec simulates the day it registers. A codec
+declares one step of one fused buffer as :class:`~lowcomm.compress.codec.CodecCost`: encode
+work, then rounds (a collective of ``nbytes`` per worker, then the compute that follows it).
+The DDP hooks and the engine issue those rounds the same way, and so does :meth:`CodecPlan.hook`:
+
+* encode on the compute stream once the buffer's last gradient is ready;
+* a *blocking* round (a later message needs its result: PowerSGD's P, gTop-k's exchanges)
+  stalls backward: its collective, then its ``then`` work on the compute stream;
+* the last round is asynchronous: its collective overlaps backward and its ``then`` (the
+  decode) runs in the collective's callback, on the comm chain.
+
+Work is priced with the profile's per-unit kernel costs (:meth:`Sim.price`), except where the
+profile holds measured times of the codec itself (``profile.compressors[name]``, from
+:func:`lowcomm.sim.profiler.measure_compressors`): those replace the encode and the final
+decode, ``decode_s_per_elem + P * decode_s_per_elem_per_worker`` per element.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Round, codec_class
+from lowcomm.errors import UsageError
+from lowcomm.sched.pairing import Mode, mode_refusal
+from lowcomm.sim.schedules.base import Bucket, Sim
+from lowcomm.sim.timeline import Task
+
+#: short task names of the collectives (``ar.b3``, ``ag1.b0``, ``x2.b0``)
+TAGS = {"all_reduce": "ar", "all_gather": "ag", "p2p": "x", "reduce_scatter": "rs", "none": "local"}
+
+
+class CodecPlan:
+    """One codec bound to its options: per-bucket cost, priced phases, emitted tasks."""
+
+    def __init__(self, name: str, options: Any = None) -> None:
+        self.name = name
+        self.cls = codec_class(name)
+        self.options = options
+        self._by_world: dict[int, Codec] = {}
+
+    def check_pairing(self, mode: Mode, schedule: str) -> None:
+        """Refuse an impossible schedule/codec pair with the engine's own reason
+        (:func:`lowcomm.sched.pairing.mode_refusal`, read from the codec's declarations)."""
+        why = mode_refusal(mode, schedule, self.cls)
+        if why:
+            raise UsageError(why)
+
+    @property
+    def gathered(self) -> bool:
+        """Every worker's payload is decoded separately (no sum on the wire)."""
+        return self.cls.aggregation is Aggregation.GATHER
+
+    def codec(self, world: int) -> Codec:
+        """The codec instance for ``world`` workers (built once)."""
+        if world not in self._by_world:
+            self._by_world[world] = self.cls(self.options, world=world)
+        return self._by_world[world]
+
+    def cost(self, sim: Sim, b: Bucket, it: int) -> CodecCost:
+        """The declared cost of bucket ``b`` in iteration ``it`` (codec step ``it - 1``)."""
+        return self.codec(sim.p).cost(b.shapes, world=sim.p, dtype_bytes=sim.bpe, step=it - 1)
+
+    def encode_s(self, sim: Sim, b: Bucket, cost: CodecCost) -> float:
+        """Seconds of the encode: measured if the profile has it, else the priced work."""
+        measured = sim.profile.compressors.get(self.name) or {}
+        if "encode_s_per_elem" in measured:
+            return b.numel * measured["encode_s_per_elem"]
+        return sim.price(cost.encode)
+
+    def decode_s(self, sim: Sim, b: Bucket, last: Round) -> float:
+        """Seconds of the final round's ``then`` (the decode): measured or priced."""
+        measured = sim.profile.compressors.get(self.name) or {}
+        if "decode_s_per_elem" in measured:
+            per = measured["decode_s_per_elem"] + sim.p * measured.get("decode_s_per_elem_per_worker", 0.0)
+            return b.numel * per
+        return sim.price(last.then)
+
+    def hook(self, sim: Sim, it: int, b: Bucket, ready: Task, *, last_as: str | None = None,
+             defer: bool = False) -> tuple[Task, CodecCost]:
+        """Issue bucket ``b``'s step: encode, every round, the decode in the final round's
+        callback; return the last task and the cost.
+
+        ``last_as``: the schedule carries the last (sum-compatible) round itself with this
+        collective (DeAR/Lee'18: ``reduce_scatter``) and decodes later. ``defer``: the
+        final collective is issued but its decode is left to the caller (the engine decodes
+        in ``finish_sync``); the returned task is then that collective.
+        """
+        cost = self.cost(sim, b, it)
+        k = b.index
+        last = sim.compute(f"enc.b{k}", self.encode_s(sim, b, cost), it, after=[ready])
+        n = len(cost.rounds)
+        for i, r in enumerate(cost.rounds):
+            final = i == n - 1
+            collective = last_as if final and last_as else r.collective
+            tag = TAGS.get(collective, collective) + (str(i + 1) if n > 1 else "")
+            if collective != "none":
+                recv = r.recv_nbytes  # a receive-only p2p round still takes time
+                last = sim.collective(f"{tag}.b{k}", collective, r.nbytes, it, after=[last],
+                                      timed_bytes=max(r.nbytes, recv or 0))
+            if final and (last_as or defer):
+                break
+            seconds = self.decode_s(sim, b, r) if final else sim.price(r.then)
+            name = f"dec.b{k}" if final else f"after.{tag}.b{k}"
+            if r.blocking or collective == "none":
+                last = sim.compute(name, seconds, it, after=[last])
+            else:
+                last = sim.comm_side(name, seconds, it, after=[last])
+        return last, cost
+
+    def deferred_decode(self, sim: Sim, it: int, b: Bucket, cost: CodecCost, arrived: Task, *,
+                        share: float = 1.0) -> Task:
+        """The decode the engine runs in ``finish_sync`` (compute stream) once ``arrived``
+        ends; ``share``: the fraction decoded (Lee'18 decodes its 1/P slice)."""
+        seconds = self.decode_s(sim, b, cost.rounds[-1]) * share if cost.rounds else 0.0
+        return sim.compute(f"dec.b{b.index}", seconds, it, after=[arrived])
