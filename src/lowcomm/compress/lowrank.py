@@ -33,78 +33,33 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
 from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
 from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, orthogonalize_if, poison_
+from lowcomm.compress.matrices import (
+    STACK_MAX_NUMEL,
+    Batch,
+    Batched,
+    Plan,
+    batched_mm,
+    effective_rank,
+    factor_seed,
+    matrix_shape,
+    orthogonalize,
+    seeded_normal,
+    should_compress,
+    unflatten,
+)
 from lowcomm.compress.options import check_min_rate, check_rank, check_start
 
-
-# --- tensor helpers ----------------------------------------------------------------------------
-def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
-    """View an n-d gradient as ``shape[0] x prod(shape[1:])`` (as PowerSGD does)."""
-    return int(shape[0]), int(math.prod(shape[1:]))
-
-
-def should_compress(shape: Sequence[int], rank: int, min_compression_rate: float) -> bool:
-    """Compress iff the tensor is >= 2-D and ``(n + m) * r * min_rate < n * m``."""
-    if len(shape) < 2:
-        return False
-    n, m = matrix_shape(shape)
-    r = min(rank, n, m)
-    return (n + m) * r * min_compression_rate < n * m
-
-
-def effective_rank(shape: Sequence[int], rank: int) -> int:
-    """The rank clipped to the matrix's smaller side."""
-    n, m = matrix_shape(shape)
-    return min(rank, n, m)
-
-
-def orthogonalize(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``x`` (batched ``(..., n, r)``), via reduced QR in fp32.
-
-    QR (not Gram-Schmidt) so zero or dependent columns give no NaN. Deterministic for equal
-    inputs, so every rank derives the same factor from the same all-reduced tensor.
-    """
-    q, _ = torch.linalg.qr(x.to(torch.float32), mode="reduced")
-    return q.to(x.dtype)
-
-
-def factor_seed(seed: int, param_index: int, salt: int) -> int:
-    """Seed of a parameter's initial factor: same on every rank, distinct per parameter.
-
-    ``salt`` is 0 for Q (m x r), 1 for P (n x r)."""
-    return (seed * 1_000_003 + param_index * 2 + salt) % (2**63)
-
-
-def seeded_normal(shape: Sequence[int], seed: int, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Identical random init on every rank (CPU generator, then moved): no broadcast needed."""
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
-    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
-
-
-#: same-shape groups up to this many elements per matrix are stacked (one ``bmm``)
-STACK_MAX_NUMEL = 1 << 16
-
-#: a batch of same-shape matrices: one stacked ``(b, n, m)`` tensor or a list of views
-Batched = Union[torch.Tensor, list[torch.Tensor]]
-
-
-def batched_mm(ms: Batched, f: torch.Tensor, *, transpose: bool = False) -> torch.Tensor:
-    """``M @ f`` (or ``M^T @ f``) for a batch -> ``(b, n or m, r)``."""
-    if isinstance(ms, torch.Tensor):
-        return torch.bmm(ms.transpose(1, 2) if transpose else ms, f)
-    return torch.stack([(m.T if transpose else m) @ f[k] for k, m in enumerate(ms)])
-
-
-def unflatten(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like ``like``, in order."""
-    sizes = [t.numel() for t in like]
-    return [p.view_as(t) for p, t in zip(flat[: sum(sizes)].split(sizes), like)]
+__all__ = [  # the tensor math is re-exported: callers import it from here
+    "ACPSGDCodec", "Batch", "Batched", "LowRankCodec", "LowRankOptions", "Plan", "PowerSGDCodec",
+    "PowerSGDOptions", "STACK_MAX_NUMEL", "batched_mm", "effective_rank", "factor_seed",
+    "matrix_shape", "orthogonalize", "seeded_normal", "should_compress", "unflatten",
+]
 
 
 # --- options and plans -------------------------------------------------------------------------
@@ -130,48 +85,6 @@ class PowerSGDOptions(LowRankOptions):
     """powersgd adds ``warm_start`` (keep the summed Q for the next step)."""
 
     warm_start: bool = True
-
-
-@dataclass
-class Batch:
-    """Same-shape matrices of one buffer (processed with one ``bmm``)."""
-
-    n: int
-    m: int
-    r: int
-    members: list[int] = field(default_factory=list)  # positions among the compressed tensors
-
-
-@dataclass
-class Plan:
-    """Which tensors of a buffer are compressed, batched by shape."""
-
-    uncompressed: list[int]  # tensor positions in the buffer
-    compressed: list[int]
-    batches: list[Batch]
-
-    @classmethod
-    def of(cls, shapes: Sequence[Sequence[int]], rank: int, min_rate: float) -> Plan:
-        """The plan for a buffer fusing ``shapes``."""
-        ok = [should_compress(s, rank, min_rate) for s in shapes]
-        comp = [i for i, c in enumerate(ok) if c]
-        batches: dict[tuple[int, int, int], Batch] = {}
-        for j, i in enumerate(comp):
-            key = (*matrix_shape(shapes[i]), effective_rank(shapes[i], rank))
-            batches.setdefault(key, Batch(*key)).members.append(j)
-        return cls([i for i, c in enumerate(ok) if not c], comp, list(batches.values()))
-
-    def unc_numel(self, shapes: Sequence[Sequence[int]]) -> int:
-        """Elements travelling uncompressed."""
-        return sum(math.prod(shapes[i]) for i in self.uncompressed)
-
-    def factor_numel(self, p: bool) -> int:
-        """Elements of all P (``p``) or all Q factors."""
-        return sum(len(b.members) * (b.n if p else b.m) * b.r for b in self.batches)
-
-    def flops(self) -> float:
-        """``2 n m r`` summed over the compressed matrices (one product with a factor)."""
-        return float(sum(2 * len(b.members) * b.n * b.m * b.r for b in self.batches))
 
 
 @dataclass
