@@ -126,3 +126,12 @@ def test_torch_powersgd_reference_compresses_and_is_counted() -> None:
     assert 0 < counted < 4 * synced.numel()  # P, Q and the uncompressed vectors, under float32
     led_all = led["by_collective"]["all_reduce"]["payload_bytes"]
     assert led_all == counted  # every all-reduce the hook made went through the ledger
+
+
+@distributed(world_size=2)
+def test_torch_powersgd_warmup_all_reduces_are_counted_too() -> None:
+    # before start_iter PyTorch's hook all-reduces through default_hooks' own ``dist``
+    synced, central, led = _synced_and_central("torch_powersgd:rank=2,start_iter=2")
+    assert_close_eps(synced, central, torch.float32, ops=2)  # the warm-up step is a plain mean
+    assert led["by_tag"]["torch_powersgd.warmup"]["payload_bytes"] == 4 * synced.numel()
+    assert led["by_collective"]["all_reduce"]["payload_bytes"] == 4 * synced.numel()

@@ -140,9 +140,12 @@ class TorchPowerSGD(Method):
 
     def register_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Attach PyTorch's hook with our options; its all-reduces are counted."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
         _count_in(ps, CountingDist("torch_powersgd"))
+        # its plain all-reduces before start_iter go through default_hooks' own ``dist``
+        _count_in(default_hooks, CountingDist("torch_powersgd.warmup"))
         o = self.options
         state = ps.PowerSGDState(
             process_group=self.ctx.process_group if self.ctx else None,
