@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm.hooks import HOOKS, CodecHook, HookKind, run_hook
@@ -43,7 +44,7 @@ def hook_class(method: str) -> HookKind:
         raise UsageError(f"unknown compression method {method!r}{hint}; valid: {', '.join(sorted(HOOKS))}") from None
 
 
-def register(ddp_model: nn.Module, method: str, *, process_group: Any = None, **options: Any) -> CodecHook:
+def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGroup | None = None, **options: Any) -> CodecHook:
     """Register ``method``'s comm hook on ``ddp_model``; return its state (checkpointable).
 
     ``method`` is a name or a ``name:key=value,...`` spec; keyword options win over the spec.
@@ -59,7 +60,7 @@ def register(ddp_model: nn.Module, method: str, *, process_group: Any = None, **
     return state
 
 
-def create(ddp_model: nn.Module, method: str, *, process_group: Any = None, **options: Any) -> CodecHook:
+def create(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGroup | None = None, **options: Any) -> CodecHook:
     """``method``'s hook state with validated options, not registered (for callers that wrap
     :func:`~lowcomm.comm.hooks.run_hook` in a hook of their own)."""
     return hook_class(method)(ddp_model, options_for(method, **options), process_group=process_group)

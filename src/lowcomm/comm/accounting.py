@@ -117,11 +117,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _world(group: Any) -> int:
+def _world(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
-def _check(collective: str, tag: str, group: Any, tensors: Sequence[torch.Tensor]) -> str | None:
+def _check(collective: str, tag: str, group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor]) -> str | None:
     """Refuse before anything is counted: mixed devices, or a device the group cannot carry."""
     device = tensors[0].device
     for t in tensors[1:]:
@@ -151,7 +151,7 @@ def wire_bytes(collective: str, payload: int, world_size: int, *, is_src: bool =
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def _record(collective: str, tag: str, payload: int, group: Any, *, is_src: bool = True) -> None:
+def _record(collective: str, tag: str, payload: int, group: dist.ProcessGroup | None, *, is_src: bool = True) -> None:
     p = _world(group)
     _LEDGER.record(collective, tag, payload, wire_bytes(collective, payload, p, is_src=is_src))
 
@@ -192,27 +192,27 @@ def _counted(
     return decorate
 
 
-def _backend(group: Any, tensor: torch.Tensor) -> str | None:
+def _backend(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> str | None:
     """The backend that carries ``tensor`` (already checked by :func:`_counted`; cached)."""
     return device_backend(group, tensor.device)
 
 
 @_counted("all_reduce", tensors=("tensor",), payload="tensor")
-def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None,
                async_op: bool = False, *, tag: str = "all_reduce") -> Any:
     """:func:`torch.distributed.all_reduce`, checked and counted under ``tag``."""
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 @_counted("all_gather", tensors=("output", "input"), payload="input")
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                            async_op: bool = False, *, tag: str = "all_gather") -> Any:
     """All-gather into one flat tensor (torch's ``all_gather_single``), checked and counted."""
     return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
 
 
 @_counted("all_gather", tensors=("input", "outputs"), payload="input")
-def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: Any = None,
+def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.ProcessGroup | None = None,
                async_op: bool = False, *, tag: str = "all_gather") -> Any:
     """:func:`torch.distributed.all_gather` into a list, checked and counted under ``tag``."""
     return dist.all_gather(outputs, input, group=group, async_op=async_op)
@@ -220,7 +220,7 @@ def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: Any = No
 
 @_counted("reduce_scatter", tensors=("output", "input"), payload="input")
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False, *,
+                          group: dist.ProcessGroup | None = None, async_op: bool = False, *,
                           tag: str = "reduce_scatter") -> Any:
     """Reduce-scatter of one flat tensor, checked and counted; a sum on gloo runs as an
     all-to-all plus a local sum (:func:`_reduce_scatter_by_all_to_all`)."""
@@ -248,7 +248,7 @@ class _SumChunksWork:
         return self._done or (self._work is not None and self._work.is_completed())
 
 
-def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool) -> Any:
+def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool) -> Any:
     """Reduce-scatter on gloo as an all-to-all of the chunks plus a local sum.
 
     gloo's own reduce-scatter runs a full all-reduce underneath: measured on 4 emulated
@@ -267,14 +267,14 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
 
 
 @_counted("broadcast", tensors=("tensor",), payload="tensor", src="src")
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, *,
+def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False, *,
               tag: str = "broadcast") -> Any:
     """:func:`torch.distributed.broadcast`, checked and counted (bytes on the source only)."""
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 @_counted("all_to_all", tensors=("output", "input"), payload="input")
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Any = None,
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
                       async_op: bool = False, *, tag: str = "all_to_all") -> Any:
     """:func:`torch.distributed.all_to_all_single` (equal splits), checked and counted."""
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
@@ -308,7 +308,7 @@ class _CopyBackWork:
 
 
 @_counted("p2p", tensors=("tensor",), payload="tensor")
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, *, tag: str = "p2p") -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, tag: str = "p2p") -> Any:
     """Point-to-point send (counted: wire bytes = payload bytes on the sender).
 
     Prefer :func:`batch_isend_irecv` when both partners send to each other: NCCL may
@@ -320,7 +320,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Any = None, *, tag: str = "p2p"
 
 
 @_counted("p2p", tensors=("tensor",))
-def irecv(tensor: torch.Tensor, src: int, group: Any = None, *, tag: str = "p2p") -> Any:
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *, tag: str = "p2p") -> Any:
     """Point-to-point receive (not counted: the sender counts the bytes)."""
     if _stage_through_host(_backend(group, tensor), tensor):
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")

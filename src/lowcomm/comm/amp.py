@@ -15,12 +15,11 @@ what they would see without compression.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
 
-def current_scale(scaler: Any, device: torch.device | None = None) -> torch.Tensor | None:
+def current_scale(scaler: torch.amp.GradScaler | None, device: torch.device | None = None) -> torch.Tensor | None:
     """The loss scale the gradients of this backward carry, as a 0-dim tensor, or None.
 
     None when no scaler is attached, when it is disabled, or before its first ``scale()``

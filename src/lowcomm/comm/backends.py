@@ -75,7 +75,7 @@ _BACKENDS: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDicti
 _BACKENDS_LOCK = threading.Lock()
 
 
-def _group_backends(group: Any) -> dict[str, str] | None:
+def _group_backends(group: dist.ProcessGroup | None) -> dict[str, str] | None:
     """Device-type -> backend map of ``group`` (cached), or None where torch cannot say."""
     pg = group if group is not None else dist.group.WORLD
     if pg is None:
@@ -101,7 +101,7 @@ def _group_backends(group: Any) -> dict[str, str] | None:
 
 
 def device_backend(
-    group: Any, device: torch.device | str, *, what: str = "collective"
+    group: dist.ProcessGroup | None, device: torch.device | str, *, what: str = "collective"
 ) -> str | None:
     """Name of the backend that carries ``device`` tensors on ``group`` (None: not known).
 

@@ -24,7 +24,7 @@ from lowcomm.compress.codec import Codec, Message
 Future = torch.futures.Future
 
 
-def _distributed(group: Any) -> bool:
+def _distributed(group: dist.ProcessGroup | None) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
@@ -57,7 +57,7 @@ class Pending:
         return fut
 
 
-def start(msg: Message, *, group: Any = None, tag: str, async_op: bool = True) -> Pending:
+def start(msg: Message, *, group: dist.ProcessGroup | None = None, tag: str, async_op: bool = True) -> Pending:
     """Issue ``msg``'s collective (see :class:`~lowcomm.compress.codec.Message`)."""
     t = message_tag(tag, msg)
     if msg.collective == "none" or not _distributed(group):
@@ -75,7 +75,7 @@ def start(msg: Message, *, group: Any = None, tag: str, async_op: bool = True) -
     return _exchange(msg, group, t)
 
 
-def _exchange(msg: Message, group: Any, tag: str) -> Pending:
+def _exchange(msg: Message, group: dist.ProcessGroup | None, tag: str) -> Pending:
     """``p2p``: send to and/or receive from ``msg.peer`` in one batch (NCCL needs the batch:
     two partners that both send first can deadlock on large unbatched messages)."""
     if msg.peer is None:
@@ -92,7 +92,7 @@ def _exchange(msg: Message, group: Any, tag: str) -> Pending:
     return Pending(recv)
 
 
-def run_rounds(codec: Codec, msg: Message, *, group: Any = None, tag: str) -> Message:
+def run_rounds(codec: Codec, msg: Message, *, group: dist.ProcessGroup | None = None, tag: str) -> Message:
     """Complete every non-final message synchronously; return the final one (not started)."""
     while not msg.final:
         received = start(msg, group=group, tag=tag, async_op=False).wait()

@@ -11,9 +11,12 @@ its spectrum decay. The switch epoch is chosen when those per-layer ranks stop c
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from lowcomm.lowrank.factorize import Candidate
 
 
 def ratio_rank(out_features: int, in_features: int, ratio: float) -> int:
@@ -63,3 +66,37 @@ def flatten_ranks(spec: object) -> Iterable[int]:
     elif isinstance(spec, (list, tuple)):
         for v in spec:
             yield from flatten_ranks(v)
+
+
+def slot_stable_ranks(cands: Sequence[Candidate]) -> dict[str, float]:
+    """Stable rank of every rank slot ``"layer|slot"`` (max over the blocks sharing one rank):
+    what Cuttlefish-style automatic ranks and switch points track during the warm-up."""
+    out: dict[str, float] = {}
+    for c in cands:
+        for slot, mats in c.matrices().items():
+            out[f"{c.name}|{slot}"] = max(stable_rank(m) for m in mats)
+    return out
+
+
+def auto_slot_ranks(cands: Sequence[Candidate], initial: dict[str, float]) -> dict[str, int]:
+    """Each slot's rank from its current stable rank scaled by the one at initialization."""
+    now = slot_stable_ranks(cands)
+    return {f"{c.name}|{slot}": scaled_stable_rank(now[f"{c.name}|{slot}"], initial.get(f"{c.name}|{slot}", 0.0),
+                                                   min(c.slot_shape(slot)))
+            for c in cands for slot in c.matrices()}
+
+
+def broadcast_ints(values: dict[str, int], device: torch.device, *, tag: str) -> dict[str, int]:
+    """Rank 0's values on every rank (keys are in the same order everywhere), so every rank
+    builds the same architecture. ``device`` is the model's: a process group on NCCL alone
+    has no CPU backend."""
+    import torch.distributed as dist
+
+    from lowcomm.comm import accounting
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    keys = list(values)
+    t = torch.tensor([values[k] for k in keys], dtype=torch.int64, device=device)
+    accounting.broadcast(t, src=0, tag=tag)
+    return dict(zip(keys, (int(v) for v in t.tolist())))

@@ -42,7 +42,7 @@ class HookMethod(Method):
             self.hook_state.load_state_dict(self._pending)
             self._pending = None
 
-    def attach_scaler(self, scaler: Any) -> None:
+    def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
         """Stateful codecs keep memory/momentum in unscaled units (see Method.attach_scaler)."""
         super().attach_scaler(scaler)
         if self.hook_state is not None:

@@ -25,26 +25,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lowcomm import methods as method_registry
-from lowcomm.comm import accounting
 from lowcomm.errors import UsageError, check_fraction, check_positive
 from lowcomm.lowrank.factorize import Candidate, candidates, factorize, plan, resolve_full_rank
-from lowcomm.lowrank.rank import ranks_stable, scaled_stable_rank, stable_rank
+from lowcomm.lowrank.rank import auto_slot_ranks, broadcast_ints, ranks_stable, slot_stable_ranks
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
 from lowcomm.optim.decay import frobenius_decay_
 from lowcomm.optim.schedules import Rewarmup
 
 if TYPE_CHECKING:
-    from lowcomm.lowrank.presets import Preset
     from lowcomm.runtime.config import TrainConfig
 
 
@@ -196,30 +192,16 @@ class Pufferfish(Method):
         self._model = model
         return model
 
-    def _full_rank(self, model: nn.Module) -> tuple[str | Sequence[str] | None, Preset | None]:
-        return resolve_full_rank(model, self.options.full_rank_spec(), None)
-
     def _candidates(self, model: nn.Module) -> list[Candidate]:
-        full_rank, preset = self._full_rank(model)
+        full_rank, preset = resolve_full_rank(model, self.options.full_rank_spec(), None)
         return candidates(model, full_rank=full_rank, preset=preset)
 
     def _stable_ranks(self, model: nn.Module) -> dict[str, float]:
-        """Stable rank of every rank slot (max over the blocks sharing one rank)."""
-        out: dict[str, float] = {}
-        for c in self._candidates(model):
-            for slot, mats in c.matrices().items():
-                out[f"{c.name}|{slot}"] = max(stable_rank(m) for m in mats)
-        return out
+        return slot_stable_ranks(self._candidates(model))
 
     def _auto_slot_ranks(self, model: nn.Module) -> dict[str, int]:
         assert self.srank_init is not None
-        now = self._stable_ranks(model)
-        ranks: dict[str, int] = {}
-        for c in self._candidates(model):
-            for slot in c.matrices():
-                key = f"{c.name}|{slot}"
-                ranks[key] = scaled_stable_rank(now[key], self.srank_init.get(key, 0.0), min(c.slot_shape(slot)))
-        return ranks
+        return auto_slot_ranks(self._candidates(model), self.srank_init)
 
     def _choose_ranks(self, model: nn.Module) -> dict[str, Any]:
         o: PufferfishOptions = self.options
@@ -236,16 +218,7 @@ class Pufferfish(Method):
         return out
 
     def _broadcast_ints(self, values: dict[str, int], device: torch.device) -> dict[str, int]:
-        """Rank 0's values on every rank (keys are in the same order everywhere).
-
-        ``device`` is the model's: a process group on NCCL alone has no CPU backend.
-        """
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return values
-        keys = list(values)
-        t = torch.tensor([values[k] for k in keys], dtype=torch.int64, device=device)
-        accounting.broadcast(t, src=0, tag="pufferfish.ranks")
-        return dict(zip(keys, (int(v) for v in t.tolist())))
+        return broadcast_ints(values, device, tag="pufferfish.ranks")
 
     def _record_input_shape(self, model: nn.Module) -> None:
         """Remember one batch's input shape (for the MAC count in :meth:`describe`)."""

@@ -53,7 +53,7 @@ class CountingDist:
         return getattr(dist, name)
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False
+        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> Any:
         """:func:`lowcomm.comm.accounting.all_reduce` under this proxy's tag."""
         return accounting.all_reduce(tensor, op=op, group=group, async_op=async_op, tag=self._tag)
@@ -66,7 +66,7 @@ class _CountingFSDPDist(CountingDist):
         super().__init__("torch_fsdp.ar")
 
     def all_gather_single(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
     ) -> Any:
         """FSDP's parameter all-gather, counted with the all-gather formula."""
         nbytes = input_tensor.numel() * input_tensor.element_size()
@@ -76,7 +76,7 @@ class _CountingFSDPDist(CountingDist):
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
     def reduce_scatter_single(
-        self, output: torch.Tensor, input: torch.Tensor, group: Any = None, op: Any = dist.ReduceOp.SUM,
+        self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, op: Any = dist.ReduceOp.SUM,
         async_op: bool = False,
     ) -> Any:
         """FSDP's gradient reduce-scatter, native; on gloo counted as the all-reduce it is."""

@@ -1,6 +1,6 @@
 """``--method`` entries for the scheduling engine: ``wfbp``, ``mgwfbp``, ``dear``, ``lee18``.
 
-Each wraps the model in :class:`~lowcomm.sched.engine.ScheduledModule` instead of DDP and
+Each wraps the model in :class:`~lowcomm.sched.module.ScheduledModule` instead of DDP and
 forwards the trainer's life-cycle calls to its :class:`~lowcomm.sched.engine.Engine`.
 ``compress=<codec>`` carries any registered compressor where the pair works
 (:func:`lowcomm.sched.pairing.pairing_refusal` says why not otherwise); keys that are not the
@@ -27,7 +27,8 @@ from lowcomm.errors import UsageError, check_positive
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
-from lowcomm.sched.engine import Engine, Mode, ScheduledModule
+from lowcomm.sched.engine import Engine, Mode
+from lowcomm.sched.module import ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
 from lowcomm.sched.options import chosen_codec, describe_options, with_codec_options
 from lowcomm.sched.tune import MB, ThresholdTuner, agree, agree_float, check_bayes_opt, control_device, window_time
@@ -104,7 +105,7 @@ class EngineMethod(Method):
         self._need().optimizer_step(optimizer)
 
     # AMP / non-finite steps: the engine holds the gradient (shards), so it does the work
-    def attach_scaler(self, scaler: Any) -> None:
+    def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
         """Keep the scaler and hand it to the engine (it holds the gradient, so it runs the scaler's logic)."""
         super().attach_scaler(scaler)
         if self.engine is not None:

@@ -7,7 +7,8 @@ which compressor each schedule carries: :func:`lowcomm.sched.pairing.pairing_ref
 from __future__ import annotations
 
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
-from lowcomm.sched.engine import Engine, Mode, ScheduledModule
+from lowcomm.sched.engine import Engine, Mode
+from lowcomm.sched.module import ScheduledModule
 from lowcomm.sched.groups import collect_units, fuse_by_threshold
 from lowcomm.sched.pairing import pairing_refusal
 

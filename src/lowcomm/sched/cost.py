@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ class AlphaBeta:
 
 def probe_alpha_beta(
     *,
-    group: Any = None,
+    group: dist.ProcessGroup | None = None,
     small_bytes: int = 4 * 1024,
     large_bytes: int = 4 * 1024 * 1024,
     repeats: int = 5,

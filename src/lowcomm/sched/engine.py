@@ -48,7 +48,7 @@ from lowcomm.sched.pairing import Mode
 from lowcomm.sched.payload import Carrier, world_and_rank
 from lowcomm.sched.shardview import ShardView, clip_sharded_
 
-__all__ = ["Engine", "Mode", "ScheduledModule"]
+__all__ = ["Engine", "Mode"]
 
 
 class Engine:
@@ -59,7 +59,7 @@ class Engine:
         model: nn.Module,
         *,
         mode: Mode | str,
-        process_group: Any = None,
+        process_group: dist.ProcessGroup | None = None,
         tag: str = "sched",
         sizes: list[int] | None = None,
         broadcast_buffers: bool = True,
@@ -96,7 +96,7 @@ class Engine:
         self.on_synced: list[Callable[[Engine], None]] = []
         self._handles: list[Any] = []
         #: optional ``torch.amp.GradScaler`` (fp16 AMP), see :meth:`attach_scaler`
-        self.scaler: Any = None
+        self.scaler: torch.amp.GradScaler | None = None
         self._shard_view = ShardView(lambda: self.groups, self._step)
         self.finite_flags = StepFlags()  # finiteness of each group's synchronized gradient
         self._broadcast_initial()
@@ -266,7 +266,7 @@ class Engine:
         check_unused(self.groups, missing, reduce)
 
     # --- AMP and non-finite steps ---------------------------------------------------------
-    def attach_scaler(self, scaler: Any) -> None:
+    def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
         """Use ``scaler`` (a ``torch.amp.GradScaler`` or None) from the next step on: the
         codec keeps its state in unscaled units, :meth:`unscale_` and :meth:`optimizer_step`
         follow GradScaler's semantics (unscale, skip the step on inf/NaN, ``update`` after)."""
@@ -384,24 +384,3 @@ class Engine:
         if self.codec is not None:
             d.update(self.codec.describe())
         return d
-
-
-class ScheduledModule(nn.Module):
-    """What ``method.wrap`` returns: calls the model; the engine's hooks do the rest.
-
-    Like DDP, the model is available as ``.module`` (state-dict keys get a ``module.`` prefix).
-    """
-
-    engine: Engine
-
-    def __init__(self, module: nn.Module, engine: Engine) -> None:
-        super().__init__()
-        self.module = module
-        object.__setattr__(self, "engine", engine)  # not a submodule
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Forward with the engine's buffer broadcast before and its timing stamp after."""
-        self.engine.before_forward()
-        out = self.module(*args, **kwargs)
-        self.engine.after_forward()
-        return out

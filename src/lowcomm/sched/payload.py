@@ -68,7 +68,7 @@ class InFlight:
 class Carrier:
     """Encode, exchange and decode of one codec's payloads for one engine (see module doc)."""
 
-    def __init__(self, codec: Codec, *, mode: Mode, group: Any, world: int, rank: int,
+    def __init__(self, codec: Codec, *, mode: Mode, group: dist.ProcessGroup | None, world: int, rank: int,
                  distributed: bool, tag: str, param_index: dict[str, int]) -> None:
         self.codec = codec
         self.mode = mode
@@ -80,7 +80,7 @@ class Carrier:
         self.param_index = param_index
         #: SUM payloads of the sharded modes are reduce-scattered, not exchanged whole
         self.scatters = mode is not Mode.ALLREDUCE and codec.aggregation is Aggregation.SUM
-        self.scaler: Any = None
+        self.scaler: torch.amp.GradScaler | None = None
         self._layouts: dict[tuple[str, ...], Layout] = {}
 
     def layout(self, g: Group) -> Layout:
@@ -176,7 +176,7 @@ class Carrier:
                 out.div_(f.carried)
 
 
-def world_and_rank(group: Any) -> tuple[bool, int, int]:
+def world_and_rank(group: dist.ProcessGroup | None) -> tuple[bool, int, int]:
     """(distributed, world size, rank) of ``group`` (one process without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return False, 1, 0

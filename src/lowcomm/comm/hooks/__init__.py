@@ -29,7 +29,7 @@ class HookKind:
     Options: type
     codec: type[Codec] | None
 
-    def __call__(self, ddp: nn.Module, options: Any, *, process_group: Any = None) -> CodecHook:
+    def __call__(self, ddp: nn.Module, options: Any, *, process_group: dist.ProcessGroup | None = None) -> CodecHook:
         """A hook state for ``ddp`` (not registered yet: ``ddp.register_comm_hook(state, run_hook)``)."""
         codec = None
         if self.codec is not None:

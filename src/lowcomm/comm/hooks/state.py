@@ -61,7 +61,7 @@ class CodecHook:
     :meth:`state_dict`."""
 
     def __init__(self, ddp: nn.Module, name: str, options: Any, codec: Codec | None, *,
-                 process_group: Any = None) -> None:
+                 process_group: dist.ProcessGroup | None = None) -> None:
         self.name = name
         self.options = options
         self.codec = codec
@@ -70,7 +70,7 @@ class CodecHook:
         self.rank = dist.get_rank(process_group)
         self._step = 0  # ssgd's own count (a codec counts its steps itself)
         #: optional ``torch.amp.GradScaler``: stateful codecs then work in unscaled units
-        self.scaler: Any = None
+        self.scaler: torch.amp.GradScaler | None = None
         #: finiteness of every bucket's aggregated result in the current (or last) step
         self.finite_flags = StepFlags()
         self._flags_step = -1
@@ -142,7 +142,7 @@ class CodecHook:
         return work.get_future().then(mean)
 
     # --- AMP and the NaN/Inf policy ---------------------------------------------------------
-    def attach_scaler(self, scaler: Any) -> None:
+    def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
         """Use ``scaler``'s loss scale from the next step on (None: gradients are unscaled)."""
         self.scaler = scaler
 
