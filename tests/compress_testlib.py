@@ -43,14 +43,10 @@ def run_ranks(fn: Any, world: int, *args: Any, timeout: float = 90.0, **kwargs: 
 
 TINY_BUCKET_MB = 0.0001  # 100 floats: after the rebuild, one layer (weight + bias) per bucket
 
-#: small options per built-in codec (compress from step 1); a codec's own test module may
-#: give them as ``OPTIONS`` (see :func:`test_options`)
-SMALL_OPTIONS: dict[str, dict[str, Any]] = {
-    "topk": {"density": 0.1},
-    "gtopk": {"density": 0.1},
-    "powersgd": {"rank": 2},
-    "acpsgd": {"rank": 2},
-}
+#: small values for the payload-size options a codec declares (by option name, not by
+#: codec: a codec with a ``density`` or ``rank`` field gets these); a codec's own test
+#: module may give its options as ``OPTIONS`` instead (see :func:`test_options`)
+SMALL_OPTIONS: dict[str, Any] = {"density": 0.1, "rank": 2}
 
 
 def codec_test_module(name: str) -> Any:
@@ -66,8 +62,9 @@ def codec_test_module(name: str) -> Any:
 def test_options(name: str) -> dict[str, Any]:
     """Options that compress from step 1 with small payloads, for codec ``name``."""
     module = codec_test_module(name)
-    opts = dict(getattr(module, "OPTIONS", SMALL_OPTIONS.get(name, {})))
     fields = {f.name for f in dataclasses.fields(HOOKS[name].Options)}
+    small = {k: v for k, v in SMALL_OPTIONS.items() if k in fields}
+    opts = dict(getattr(module, "OPTIONS", small))
     if "start_iter" in fields:
         opts.setdefault("start_iter", 1)
     return opts
@@ -487,7 +484,11 @@ class ACPSGDRef(LowRank):
         return torch.cat(res)
 
 
-#: central reference of each built-in method, from the options dataclass ``o`` (None for ssgd)
+#: central references of the original methods, from the options dataclass ``o`` (None for
+#: ssgd); a later compressor brings its ``Reference`` in ``tests/test_codec_<name>.py``.
+#: Which methods need a reference is never read from here: :func:`has_reference` and
+#: :func:`reference_for` start from the registry (``ssgd`` + :data:`CODECS`), and
+#: :func:`table_problems` finds entries the registry no longer has or a module duplicates.
 REFERENCES: dict[str, Any] = {
     "ssgd": lambda w, sh, ix, o: Mean(w, sh, ix),
     "fp16": lambda w, sh, ix, o: Cast(w, sh, ix, dtype=torch.float16),
@@ -512,9 +513,30 @@ def _module_reference(name: str) -> type[Reference] | None:
     return ref if isinstance(ref, type) and issubclass(ref, Reference) else None
 
 
+def _reference_factory(name: str) -> Any:
+    """How to build ``name``'s reference as ``f(world, shapes, index, o)``, or None. Only a
+    registered method (``ssgd`` or a codec of :data:`CODECS`) has one; its own test module's
+    ``Reference`` comes first, the table of the original methods second."""
+    if name != "ssgd" and name not in CODECS.names():
+        return None
+    cls = _module_reference(name)
+    if cls is not None:
+        return lambda w, sh, ix, o: cls(w, sh, ix, options=o)
+    return REFERENCES.get(name)
+
+
 def has_reference(name: str) -> bool:
-    """Whether method ``name`` has a central reference (this table or its test module)."""
-    return name in REFERENCES or _module_reference(name) is not None
+    """Whether registered method ``name`` has a central reference (its test module or the table)."""
+    return _reference_factory(name) is not None
+
+
+def table_problems() -> list[str]:
+    """What is wrong with :data:`REFERENCES` against the registry: entries for a method that
+    is no longer registered, and entries a codec's own test module duplicates."""
+    registered = {"ssgd", *CODECS.names()}
+    return ([f"{n}: in REFERENCES but not a registered method" for n in REFERENCES if n not in registered]
+            + [f"{n}: both in REFERENCES and in tests/test_codec_{n}.py" for n in REFERENCES
+               if n in registered and _module_reference(n) is not None])
 
 
 def reference_for(method: str, options: dict[str, Any], world: int, *, extra_unused: bool = False,
@@ -524,12 +546,10 @@ def reference_for(method: str, options: dict[str, Any], world: int, *, extra_unu
     shapes = {n: p.shape for n, p in model.named_parameters()}
     index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
     o = options_for(method, **options) if method in HOOKS else None
-    if method in REFERENCES:
-        return REFERENCES[method](world, shapes, index, o)  # type: ignore[no-any-return]
-    cls = _module_reference(method)
-    if cls is None:
+    factory = _reference_factory(method)
+    if factory is None:
         raise KeyError(f"no central reference for {method!r}: add tests/test_codec_{method}.py with a Reference")
-    return cls(world, shapes, index, options=o)
+    return factory(world, shapes, index, o)  # type: ignore[no-any-return]
 
 
 def check_against_reference(method: str, options: dict[str, Any], results: list[dict[str, Any]]) -> int:

@@ -65,8 +65,8 @@ class Reference(compress_testlib.Reference):
         for name, size in zip(names, self.sizes(names)):
             step = self.o.start_iter + self.calls.get(name, 0)
             self.calls[name] = self.calls.get(name, 0) + 1
-            seed = draw_seed(self.o.seed, step, self.index[name])
-            for r, x in enumerate(xs):
+            for r, x in enumerate(xs):  # xs[r] is rank r's input: each rank draws its own uniforms
+                seed = draw_seed(self.o.seed, step, self.index[name], r)
                 outs[r][off : off + size] = self.quantize(x[off : off + size].float(), seed)
             off += size
         self._summed(outs)
@@ -108,6 +108,82 @@ def test_mean_of_many_quantizations_approaches_the_vector_within_the_papers_vari
     assert sq_err > 0
 
 
+def _ranks(world: int, **options: Any) -> list[Any]:
+    """One qsgd codec per rank of a ``world``-worker group, all at the same step."""
+    return [codec_class("qsgd")(options=CODECS.get("qsgd").Options(**options), world=world, rank=r)
+            for r in range(world)]
+
+
+def _gathered_mean(codecs: list[Any], v: torch.Tensor, layout: Layout) -> tuple[list[Any], torch.Tensor]:
+    """Every rank encodes ``v``; rank 0 decodes the stacked payloads (what the all-gather
+    delivers): the codec's own mean over workers."""
+    msgs = [c.encode(v.clone(), layout, torch.tensor(True)) for c in codecs]
+    out = torch.empty_like(v)
+    codecs[0].decode(msgs[0], torch.stack([m.buf for m in msgs]), out)
+    return msgs, out
+
+
+def test_ranks_quantizing_the_same_vector_draw_different_levels() -> None:
+    """Each worker draws its own uniforms (the rank is part of the seed): on the same vector
+    at the same step, the norms agree and the levels differ wherever rounding is random. An
+    element whose fractional level p is in (0, 1) differs with probability 2p(1-p); with 256
+    such elements, identical levels would have probability far below 1e-20."""
+    torch.manual_seed(6)
+    n = 256
+    v = torch.randn(n)
+    layout = Layout.of(["w"], [(n,)], {"w": 0})
+    codecs = _ranks(2, levels=4, bucket_size=32, start_iter=0)
+    for c in codecs:
+        c.step = 7
+    msgs, _ = _gathered_mean(codecs, v, layout)
+    levels = [m.buf[:n].view(torch.int8) for m in msgs]  # the packed payload: n int8 levels, then norms
+    assert torch.equal(msgs[0].buf[n:], msgs[1].buf[n:])
+    assert not torch.equal(levels[0], levels[1])
+    # and each rank's draw is reproducible (same rank, same step: same levels)
+    again = _ranks(2, levels=4, bucket_size=32, start_iter=0)[1]
+    again.step = 7
+    assert torch.equal(again.encode(v.clone(), layout, torch.tensor(True)).buf, msgs[1].buf)
+
+
+def test_two_rank_mean_has_half_the_variance_of_one_workers_quantization() -> None:
+    """Independent rounding on every worker (Alistarh et al.): the mean of P quantizations
+    of v has E||mean - v||^2 = V / P, where V = sum_i (||v_b|| / s)^2 p_i (1 - p_i) is one
+    worker's exact variance (p_i the fractional level of v_i; xi_i - r_i is -p_i or 1 - p_i,
+    independently per element) and V <= B = sum_b min(d/s^2, sqrt(d)/s) ||v_b||^2 (Lemma
+    3.1). Shared uniforms would give every rank the same Q(v), and the mean the full V.
+
+    Threshold by Chebyshev, over T trials of n independent elements: the per-element
+    squared error of the 2-rank mean is at most u_max^2 = max_b (||v_b|| / s)^2, so the
+    empirical mean squared error has variance <= u_max^2 V / (2T) and exceeds 3V/4 with
+    probability <= 8 u_max^2 / (T V); one worker's (variance <= u_max^2 V / T) falls below
+    3V/4 with probability <= 16 u_max^2 / (T V). Both are asserted to be below 1 %."""
+    torch.manual_seed(7)
+    s, d, n, trials = 2, 64, 512, 100
+    v = torch.randn(n)
+    layout = Layout.of(["w"], [(n,)], {"w": 0})
+    vb = v.double().view(-1, d)
+    unit2 = vb.pow(2).sum(1, keepdim=True) / s**2  # (||v_b|| / s)^2 per bucket
+    r = vb.abs() * s / vb.pow(2).sum(1, keepdim=True).sqrt()
+    p = r - r.floor()
+    var_one = float((unit2 * p * (1 - p)).sum())
+    bound = sum(min(d / s**2, math.sqrt(d) / s) * float(b.pow(2).sum()) for b in vb)
+    u_max2 = float(unit2.max())
+    assert var_one <= bound
+    assert 16 * u_max2 / (trials * var_one) <= 0.01  # the thresholds below are not luck
+    codecs = _ranks(2, levels=s, bucket_size=d, start_iter=0)
+    err_one = err_mean = 0.0
+    for t in range(trials):
+        for c in codecs:
+            c.step = t
+        msgs, mean = _gathered_mean(codecs, v, layout)
+        one = torch.empty_like(v)
+        codecs[0].decode(msgs[0], msgs[0].buf[None], one)
+        err_one += float((one.double() - v.double()).pow(2).sum())
+        err_mean += float((mean.double() - v.double()).pow(2).sum())
+    assert err_mean / trials <= 0.75 * var_one <= err_one / trials
+    assert err_mean / trials <= 0.75 * bound
+
+
 def test_decoded_values_are_multiples_of_the_bucket_norm_over_s_next_to_the_value() -> None:
     """Each decoded entry is ||v|| * l / s or ||v|| * (l + 1) / s with l = floor(s|v_i|/||v||)."""
     torch.manual_seed(4)
@@ -140,7 +216,7 @@ def test_packed_payload_has_exactly_the_bytes_cost_declares(shapes: list[tuple[i
 
 
 def test_same_levels_whatever_the_tensors_are_fused_with() -> None:
-    """Seeds follow (seed, step, parameter index): a DDP bucket rebuild or an engine regroup
+    """Seeds follow (seed, step, parameter index, rank): a DDP bucket rebuild or an engine regroup
     quantizes every tensor identically."""
     torch.manual_seed(5)
     a, b = torch.randn(70), torch.randn(30)

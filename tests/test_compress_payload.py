@@ -264,8 +264,17 @@ def test_hooks_register_accepts_a_spec_string_and_keywords_win() -> None:
 
 
 def test_every_compression_method_is_in_the_method_namespace() -> None:
-    for name in ["fp16", "bf16", "signsgd", "signum", "topk", "gtopk", "powersgd", "acpsgd", "ssgd"]:
+    """Every registered codec (and ssgd) is a ``--method`` with its codec's default options."""
+    import dataclasses
+
+    from lowcomm.compress.codec import CODECS, codec_class
+
+    assert CODECS.names()  # the registry did discover the compressor modules
+    for name in ["ssgd", *CODECS.names()]:
         assert name in methods.names()
+    for name in CODECS.names():
+        assert methods.create(name).options == codec_class(name).Options(), name
+        assert dataclasses.asdict(hooks.options_for(name)) == dataclasses.asdict(codec_class(name).Options()), name
     assert methods.create("acpsgd").options.rank == 4
     assert methods.create("topk").options.density == 0.01
     assert methods.create("powersgd").options.start_iter == 10
@@ -283,3 +292,12 @@ def test_docs_have_one_paragraph_per_registered_codec() -> None:
         head = f"\n### {name}\n"
         assert head in text, f"docs/compression.md lacks a '### {name}' paragraph"
         assert text.split(head, 1)[1].strip(), name
+
+
+def test_the_table_of_original_references_holds_only_registered_methods() -> None:
+    """tests/compress_testlib.py's REFERENCES is not a list of what needs a reference (that
+    is read from the registry); it must not keep a removed codec nor shadow a module's."""
+    import compress_testlib
+
+    assert compress_testlib.table_problems() == []
+    assert not compress_testlib.has_reference("no_such_codec")

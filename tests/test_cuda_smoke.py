@@ -19,6 +19,7 @@ CPU tensors.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -31,8 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from compress_testlib import HOOK_CASES as BASE_HOOK_CASES
+from lowcomm import methods
 from lowcomm.cli import main
 from lowcomm.comm import accounting
+from lowcomm.compress.codec import CODECS, codec_class
+from lowcomm.sched.pairing import Mode, pairing_refusal
 from lowcomm.testing import distributed, run_distributed
 
 
@@ -53,26 +57,67 @@ SHARED_GPU_BACKEND = "gloo" if GPUS < 2 else None
 TRAIN = ["--data", "mnist1d", "--batch-size", "128", "--lr", "0.05", "--threads", "1",
          "--device", "cuda", "--quiet", "--no-progress"]
 
-#: one or more per family: DDP all-reduce, casts, each compressor, each engine schedule (with
-#: the control collectives: MG-WFBP plan broadcast, DeAR tuning), Pufferfish (rank broadcast)
+#: small payload options, by the option's name: a codec is configured by the fields it
+#: declares (compress from step 2, a small rank or density), never by its own name
+SMALL = {"rank": 2, "density": 0.05, "start_iter": 2}
+
+
+def _small(options_cls: type) -> str:
+    """``key=value,...`` of :data:`SMALL` for the fields ``options_cls`` has."""
+    fields = {f.name for f in dataclasses.fields(options_cls)}
+    return ",".join(f"{k}={v}" for k, v in SMALL.items() if k in fields)
+
+
+def _spec(name: str, *options: str) -> str:
+    """``name:opt,opt`` without empty parts."""
+    opts = ",".join(o for o in options if o)
+    return f"{name}:{opts}" if opts else name
+
+
+def _plainest_engine_per_mode() -> list[str]:
+    """One engine schedule per :class:`~lowcomm.sched.pairing.Mode` (the one with the fewest
+    options: the mode's carrier without extra machinery), read from the method registry."""
+    engines = [n for n in methods.names() if isinstance(getattr(methods.method_class(n), "mode", None), Mode)]
+    chosen: dict[Mode, str] = {}
+    for n in sorted(engines, key=lambda n: len(dataclasses.fields(methods.method_class(n).Options))):
+        chosen.setdefault(methods.method_class(n).mode, n)
+    return list(chosen.values())
+
+
+#: every registered codec as a DDP hook method
+CODEC_FAMILIES = [_spec(n, _small(codec_class(n).Options)) for n in CODECS.names()]
+#: every codec each engine mode carries (``pairing_refusal`` is None), e.g. ``wfbp:compress=X``
+ENGINE_CODEC_PAIRS = [_spec(e, f"compress={n}", _small(codec_class(n).Options))
+                      for e in _plainest_engine_per_mode() for n in CODECS.names() if pairing_refusal(e, n) is None]
+
+#: one or more per family: DDP all-reduce, each compressor, each engine schedule (with the
+#: control collectives: MG-WFBP plan broadcast, DeAR tuning) alone and carrying each codec it
+#: can, Pufferfish (rank broadcast)
 FAMILIES = [
     "ssgd",
-    "fp16",
-    "powersgd:rank=2,start_iter=2",
-    "acpsgd:rank=2,start_iter=2",
-    "topk:density=0.05,start_iter=2",
-    "gtopk:density=0.05,start_iter=2",
-    "signsgd:start_iter=2",
-    "signum:start_iter=2",
+    *CODEC_FAMILIES,
     "wfbp",
     "mgwfbp:profile_iters=2",
     "dear",
     "dear:tune=true,tune_trials=2,tune_iters=2",
-    "dear:compress=acpsgd,rank=2,start_iter=2",
     "lee18",
+    *ENGINE_CODEC_PAIRS,
     "pufferfish:warmup_epochs=1",
     "pufferfish:warmup_epochs=1,auto_switch=true",
 ]
+
+
+def test_every_gpu_family_is_a_valid_method_and_every_codec_is_covered() -> None:
+    """Runs without a GPU: the derived specs parse, and each codec appears as a hook method
+    and in every engine mode that carries it."""
+    for spec in FAMILIES:
+        methods.create(spec)
+    for name in CODECS.names():
+        assert any(f.split(":")[0] == name for f in CODEC_FAMILIES), name
+        for engine in _plainest_engine_per_mode():
+            carried = any(f.startswith(f"{engine}:compress={name}") for f in ENGINE_CODEC_PAIRS)
+            assert carried == (pairing_refusal(engine, name) is None), (engine, name)
+    assert {methods.method_class(e).mode for e in _plainest_engine_per_mode()} == set(Mode)
 
 
 def _train(tmp_path: Path, method: str, nproc: int, *extra: str) -> dict[str, Any]:

@@ -236,3 +236,30 @@ def test_pufferfish_then_acpsgd_switches_to_acpsgd_and_resumes_exactly(tmp_path:
     assert a.keys() == b.keys() and any(".v.weight" in k for k in a)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_frob_decay_with_a_sharding_then_engine_is_refused_at_parse_time() -> None:
+    """Frobenius decay adds to the factors' ``.grad``; dear / lee18 hold gradient shards
+    (``p.grad`` is None), so the decay would silently do nothing. Every method is placed by
+    its engine ``mode`` (nothing listed by name): sharding modes are refused with a one-line
+    reason naming what works; full-gradient engines and DDP methods are accepted, as are
+    a sharding then= without decay and a sharding warm-up (no factors exist before the switch)."""
+    from lowcomm.sched.pairing import Mode
+
+    modes = {n: getattr(methods.method_class(n), "mode", None) for n in methods.names() if n != "pufferfish"}
+    sharding = [n for n, m in modes.items() if isinstance(m, Mode) and m is not Mode.ALLREDUCE]
+    full = [n for n, m in modes.items() if m is Mode.ALLREDUCE]
+    assert sharding and full  # the engine methods are registered
+    for name in sharding:
+        with pytest.raises(UsageError) as e:
+            methods.create(f"pufferfish:frob_decay=0.0001,then={name}")
+        text = str(e.value)
+        assert "\n" not in text and "frob_decay" in text and "shards" in text and "DDP method" in text
+        assert all(n in text for n in full)
+        methods.create(f"pufferfish:frob_decay=0,then={name}")
+        methods.create(f"pufferfish:frob_decay=0.0001,warmup_epochs=1,warmup_method={name}")
+    for name in modes:
+        if name not in sharding:
+            methods.create(f"pufferfish:frob_decay=0.0001,then={name}")
+    with pytest.raises(UsageError, match="frob_decay"):  # with its options, in parentheses
+        methods.create("pufferfish:frob_decay=0.0001,then=(lee18:compress=fp16)")

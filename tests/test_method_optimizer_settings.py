@@ -8,12 +8,15 @@ the user typed are kept, with a warning. Fast: config and optimizer only, no tra
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
 
 from lowcomm import methods
 from lowcomm.cli import build_parser
+from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.errors import UsageError
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.runtime.flags import explicit_train_flags
@@ -71,13 +74,34 @@ def test_signum_with_momentum_zero_or_adamw_changes_nothing() -> None:
         assert cfg.to_dict() == before
 
 
-@pytest.mark.parametrize(
-    "method", ["ssgd", "fp16", "bf16", "signsgd", "topk", "gtopk", "powersgd", "acpsgd", "signum:momentum=0"]
-)
+def _own_momentum(name: str) -> bool:
+    """A codec keeps its own momentum when it declares a ``momentum`` option (what
+    :meth:`lowcomm.methods.compression.CompressionMethod.optimizer_overrides` reads)."""
+    return any(f.name == "momentum" for f in dataclasses.fields(codec_class(name).Options))
+
+
+#: ssgd and every registered codec, a codec with its own momentum with it turned off
+WITHOUT_OWN_MOMENTUM = ["ssgd", *(f"{n}:momentum=0" if _own_momentum(n) else n for n in CODECS.names())]
+WITH_OWN_MOMENTUM = [n for n in CODECS.names() if _own_momentum(n)]
+
+
+@pytest.mark.parametrize("method", WITHOUT_OWN_MOMENTUM)
 def test_methods_without_their_own_momentum_keep_the_trainer_defaults(method: str) -> None:
     cfg = _cli_config("--method", method)
     assert apply_method_overrides(cfg, methods.create(method)) == []
     assert (cfg.lr, cfg.momentum) == (TrainConfig().lr, TrainConfig().momentum)
+
+
+@pytest.mark.parametrize("method", WITH_OWN_MOMENTUM)
+def test_every_codec_with_its_own_momentum_turns_sgd_momentum_off_by_default(method: str) -> None:
+    opt, lines = _optimizer(_cli_config("--method", method))
+    assert opt.param_groups[0]["momentum"] == 0.0
+    assert len(lines) == 1 and "--momentum 0.9 -> 0" in lines[0]
+
+
+def test_the_momentum_cases_cover_every_codec() -> None:
+    assert WITH_OWN_MOMENTUM  # signum's case is checked in detail above
+    assert len(WITHOUT_OWN_MOMENTUM) == 1 + len(CODECS.names())
 
 
 def test_explicit_flags_count_abbreviations_and_equals_forms_like_argparse() -> None:

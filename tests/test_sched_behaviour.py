@@ -314,3 +314,68 @@ def test_single_process_without_torch_distributed_equals_plain_training(name: st
     method.flush()
     # one rank: no sum to reorder, only the engine's flat-buffer copies (exact); 4 steps
     assert rel_err([p.detach() for p in eng.parameters()], [p.detach() for p in ref.parameters()]) <= schedule_tolerance(1, 4)
+
+
+# --- optimizers, overrides and state --------------------------------------------------------------
+def _lee18_one_step(opt_cls: type[torch.optim.Optimizer]) -> None:
+    torch.manual_seed(0)
+    model = tiny_model()
+    method = methods.create("lee18")
+    wrapped = method.wrap(model, MethodContext())
+    opt = opt_cls(model.parameters(), lr=0.01)
+    x, y = batch(0, 0)
+    F.cross_entropy(wrapped(x), y).backward()
+    method.finish_sync()
+    method.optimizer_step(opt)
+    method.flush()
+
+
+def test_lee18_refuses_a_non_elementwise_optimizer_naming_it_and_the_valid_ones() -> None:
+    """Adafactor's factored second moment over a 1/P slice is a different rule: refused."""
+    with pytest.raises(UsageError) as e:
+        _lee18_one_step(torch.optim.Adafactor)
+    msg = str(e.value)
+    assert "\n" not in msg and "Adafactor" in msg and "AdamW" in msg and "SGD" in msg
+
+
+def test_lee18_accepts_an_elementwise_optimizer() -> None:
+    from lowcomm.optim.sharded import is_elementwise
+
+    assert is_elementwise(torch.optim.AdamW) and not is_elementwise(torch.optim.Adafactor)
+    _lee18_one_step(torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("spec", ["wfbp:compress=signum", "dear:compress=signum", "lee18:compress=signum"])
+def test_engine_schedule_carrying_signum_asks_for_the_same_optimizer_overrides_as_signum(spec: str) -> None:
+    from lowcomm.runtime.config import TrainConfig
+
+    cfg = TrainConfig()
+    own = [(o.field, o.value) for o in methods.create("signum").optimizer_overrides(cfg)]
+    assert own == [("momentum", 0.0), ("lr", pytest.approx(cfg.lr * (1 + cfg.momentum)))]
+    assert [(o.field, o.value) for o in methods.create(spec).optimizer_overrides(cfg)] == own
+    assert methods.create("wfbp:compress=topk").optimizer_overrides(cfg) == []
+
+
+@pytest.mark.parametrize("spec", ["wfbp", "dear", "lee18"])
+def test_engine_step_count_survives_a_state_dict_round_trip(spec: str) -> None:
+    torch.manual_seed(0)
+    method = methods.create(spec)
+    model = tiny_model()
+    wrapped = method.wrap(model, MethodContext())
+    opt = make_optimizer("sgd", model)
+    for step in range(3):
+        x, y = batch(0, step)
+        F.cross_entropy(wrapped(x), y).backward()
+        method.finish_sync()
+        method.optimizer_step(opt)
+    method.flush()
+    state = method.state_dict()
+    assert state["steps"] == 3
+    fresh = methods.create(spec)
+    fresh.wrap(tiny_model(), MethodContext())
+    fresh.load_state_dict(state)
+    assert fresh.state_dict()["steps"] == 3
+    later = methods.create(spec)  # loaded before wrapping: applied at wrap
+    later.load_state_dict(state)
+    later.wrap(tiny_model(), MethodContext())
+    assert later.state_dict()["steps"] == 3

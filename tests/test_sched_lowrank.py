@@ -288,6 +288,9 @@ def test_counted_bytes_equal_the_analytic_low_rank_formula(name: str) -> None:
                 }, got
             else:  # reduce-scatter in backward + all-gather before the next forward, padded
                 padded = [-(-k // world) * world for k, _ in layers]
+                # plus one 4-byte flag per step so every rank agrees on skipping a non-finite step
+                assert got.pop("dear.finite") == {"calls": 1, "payload_bytes": 4,
+                                                  "wire_bytes": 2 * (world - 1) * 4 // world}, got
                 rs = {k: v for k, v in got.items() if k.endswith(".rs")}
                 ag = {k: v for k, v in got.items() if k.endswith(".ag")}
                 assert set(rs) == {f"dear.acpsgd.{which}.rs", "dear.acpsgd.unc.rs"}, got

@@ -8,7 +8,14 @@ import pytest
 
 from lowcomm.cli import main
 from lowcomm.sim import ComputeCosts, LayerProfile, Profile
+from lowcomm.compress.codec import CODECS
+from lowcomm.sim.advise import candidates, is_exact
 from lowcomm.sim.cli import split_methods
+
+
+def _candidate(spec: str) -> bool:
+    """One of the methods the advisor compares (it runs ``dear`` as ``dear:tune=true``)."""
+    return spec in ["dear:tune=true" if m == "dear" else m for m in candidates()]
 
 
 @pytest.fixture
@@ -47,8 +54,9 @@ def test_advise_recommends_compression_on_slow_network(profile_path, tmp_path, c
     assert main(["advise", "--profile", str(profile_path), "--net", "100mbit", "--workers", "64",
                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["recommended"].split(":")[0] in ("powersgd", "acpsgd", "topk", "gtopk", "signsgd",
-                                                 "signum", "fp16", "bf16")
+    rec = data["recommended"]
+    # a compressor: whichever registered codec the advisor found fastest, not a fixed list
+    assert _candidate(rec) and rec.split(":")[0] in CODECS.names() and not is_exact(rec)
     assert data["predicted_speedup_vs_ssgd"] > 1.05
     assert data["caveat"]
     assert "pufferfish" in data["skipped"]
@@ -60,7 +68,7 @@ def test_advise_prefers_exact_method_on_fast_network(profile_path, tmp_path) -> 
     assert main(["advise", "--profile", str(profile_path), "--net", "nvlink", "--workers", "8",
                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert data["recommended"] in ("ssgd", "wfbp", "mgwfbp", "dear", "lee18")
+    assert _candidate(data["recommended"]) and is_exact(data["recommended"])
 
 
 def test_profile_command_measures_a_registry_model(tmp_path, capsys) -> None:
@@ -68,7 +76,7 @@ def test_profile_command_measures_a_registry_model(tmp_path, capsys) -> None:
     assert main(["profile", "--model", "mlp", "--batch-size", "8", "--iters", "2", "--warmup", "1",
                  "--out", str(out)]) == 0
     prof = Profile.load(out)
-    assert prof.model == "mlp" and [l.name for l in prof.layers] == ["fc1", "fc2", "fc"]
+    assert prof.model == "mlp" and [layer.name for layer in prof.layers] == ["fc1", "fc2", "fc"]
     assert not prof.costs.is_zero
     assert main(["simulate", "--profile", str(out), "--workers", "2,4", "--net", "1gbit"]) == 0
 

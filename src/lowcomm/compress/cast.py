@@ -17,7 +17,7 @@ import torch
 
 from lowcomm.compress.base import Compressor
 from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
-from lowcomm.compress.feedback import poison_
+from lowcomm.compress.feedback import finite_flag, poison_
 
 
 class CastCompressor(Compressor):
@@ -56,12 +56,16 @@ class CastCodec(Codec):
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
                pad_to: int = 1) -> Message:
-        """``flat / P`` in the wire dtype, zero-padded to ``pad_to``, poisoned if not finite."""
+        """``flat / P`` in the wire dtype, zero-padded to ``pad_to``, poisoned if not finite.
+
+        Finiteness is checked after the cast as well: a finite fp32 value above the wire
+        range (65504 * P for fp16) becomes inf here, and an unpoisoned inf would land in one
+        rank's shard only after a reduce-scatter, so the ranks would disagree on skipping."""
         n = flat.numel()
         padded = -(-n // pad_to) * pad_to
         buf = torch.zeros(padded, dtype=self.dtype, device=flat.device)
         torch.div(flat, self.world, out=buf[:n])  # divide before the cast: no overflow
-        poison_(buf, finite)
+        poison_(buf, finite & finite_flag(buf[:n]))
         return Message(buf, "all_reduce", ctx=flat.dtype, numel=n)
 
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:

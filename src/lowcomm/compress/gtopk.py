@@ -142,13 +142,15 @@ class GTopKCodec(TopKCodec):
              step: int | None = None) -> CodecCost:
         """Rank 0's rounds (the busiest worker): a receive-only fold-in when P is not a power
         of two, ``log2 P'`` swaps of ``sum_i k_i * (dtype_bytes + 4)`` bytes, then the result
-        handed to the extra worker."""
+        handed to the extra worker. Every round is ``blocking``: the transport completes each
+        exchange before the next (and before backward goes on), so declaring the last one
+        asynchronous would make the simulator predict an overlap that does not happen."""
         encode, _ = self.work(shapes)
         merge = Work(topk=2 * sum(self.ks(shapes)))
         nbytes = self.payload_bytes(shapes, dtype_bytes)
         plan = exchanges(0, world)
         rounds = [Round("p2p", nbytes if kind != "fold" else 0, merge if kind in ("fold", "swap") else Work(),
-                        blocking=i < len(plan) - 1, recv_nbytes=nbytes) for i, (kind, _) in enumerate(plan)]
+                        blocking=True, recv_nbytes=nbytes) for kind, _ in plan]
         if rounds:
             rounds[-1].then = rounds[-1].then + Work(scatter=sum(self.ks(shapes))) + self.decode_once(shapes)
         return CodecCost(encode, rounds)

@@ -22,10 +22,13 @@ Why gathered: each worker's levels are relative to its own norms, so payloads do
 up; every worker all-gathers ``n + 4 * buckets`` bytes per worker and averages the decoded
 payloads (:class:`~lowcomm.compress.gathered.PayloadCodec`).
 
-Randomness is reproducible and the same wherever the tensor is computed: the uniforms of
-a tensor come from a ``torch.Generator`` on the tensor's device seeded with
-:func:`draw_seed` ``(seed, codec step, layout.index of the tensor)`` (no host sync, no
-dependence on DDP's bucket layout or the engine's grouping). The arithmetic is fixed so
+Randomness is independent across workers and reproducible: the uniforms of a tensor come
+from a ``torch.Generator`` on the tensor's device seeded with :func:`draw_seed` ``(seed,
+codec step, layout.index of the tensor, rank)`` (no host sync, no dependence on DDP's bucket
+layout or the engine's grouping). Each rank draws its own rounding, as in the paper: with
+independent errors the variance of the P-worker mean is the mean variance divided by P
+(shared uniforms would round every worker's copy of a value the same way, and averaging
+would not shrink the error at all). The arithmetic is fixed so
 that a central reference reproduces every level bit for bit: in fp32,
 ``norm = torch.linalg.vector_norm(bucket)``, ``r = |v_i| * (s / norm)`` (0 in a bucket of
 norm 0), ``u = torch.rand(numel)`` of the tensor in element order, round up iff
@@ -51,10 +54,12 @@ from lowcomm.errors import MAX_COUNT, UsageError
 MAX_LEVELS = 127
 
 
-def draw_seed(seed: int, step: int, param_index: int) -> int:
-    """Seed of one tensor's uniforms at one codec step: the same on every rank and after a
-    resume, distinct for every (step, tensor) of a run (``param_index < 1_000_033``)."""
-    return ((seed * 1_000_003 + step) * 1_000_033 + param_index) % (2**63)
+def draw_seed(seed: int, step: int, param_index: int, rank: int) -> int:
+    """Seed of one rank's uniforms for one tensor at one codec step: the same after a resume
+    and for any fusion, distinct for every (tensor, rank) of a step and every step of one
+    (tensor, rank) (``param_index < 1_000_033``, ``rank < 1_000_037``; the multipliers are
+    odd, so no step count wraps modulo ``2**63`` onto another step)."""
+    return (((seed * 1_000_003 + step) * 1_000_033 + param_index) * 1_000_037 + rank) % (2**63)
 
 
 def num_buckets(numel: int, bucket_size: int) -> int:
@@ -169,8 +174,8 @@ class QSGDCodec(PayloadCodec):
         return self.quantizer
 
     def prepare(self, layout: Layout) -> None:
-        """Seed each tensor's uniforms by (seed, step, its parameter index)."""
-        self.quantizer.seeds = [draw_seed(self.options.seed, self.step, i) for i in layout.index]
+        """Seed each tensor's uniforms by (seed, step, its parameter index, this rank)."""
+        self.quantizer.seeds = [draw_seed(self.options.seed, self.step, i, self.rank) for i in layout.index]
 
     def payload_bytes(self, shapes: Sequence[Sequence[int]], dtype_bytes: int) -> int:
         """``n + 4 * sum_i ceil(n_i / bucket_size)``: int8 levels, fp32 norms."""

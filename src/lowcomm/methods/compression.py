@@ -72,31 +72,42 @@ class CompressionMethod(HookMethod):
         return self.hook_state.nonfinite_this_step if self.hook_state is not None else None
 
     def optimizer_overrides(self, cfg: Any) -> list[OptimizerOverride]:
-        """A codec that keeps its own momentum (an option ``momentum``; Signum:
-        ``m = beta m + (1 - beta) g``, the sign of ``m`` sent) needs SGD without momentum:
-        SGD momentum on top compounds the two (measured on MNIST-1D: 56 % against ``ssgd``'s
-        92 %; docs/compression.md).
+        """What the codec's options ask of the optimizer (:func:`codec_optimizer_overrides`)."""
+        return codec_optimizer_overrides(self.name, self.options, cfg)
 
-        The learning rate becomes ``lr * (1 + mu)``: plain SGD at that rate has the same
-        stability limit (curvature below ``2 (1 + mu) / lr``) as the heavy-ball SGD it
-        replaces, so it is as safe on any model. Keeping the full effective step
-        ``lr / (1 - mu)`` gives up that margin: it was best on the 8 k-parameter cnn1d and
-        lost 10 points on the 256-channel one, so it is left to the user (``--lr``).
-        Error-feedback codecs ask for nothing: SGD momentum after them was worse on one model
-        and better on the other (docs/compression.md), a tuning question, not a conflict.
-        """
-        own = getattr(self.options, "momentum", None)
-        if cfg.optimizer != "sgd" or cfg.momentum == 0 or not own:
-            return []
-        mu = cfg.momentum
-        return [
-            OptimizerOverride("momentum", 0.0, f"{self.name} applies momentum {own:g} inside its hook; "
-                                               f"SGD momentum {mu:g} on top would compound it", conflict=True),
-            OptimizerOverride("lr", float(f"{cfg.lr * (1.0 + mu):.12g}"),
-                              f"lr * (1 + {mu:g}) keeps SGD's stability margin without momentum; up to "
-                              f"lr / (1 - {mu:g}) = {cfg.lr / (1.0 - mu):.3g} keeps its full step where stable",
-                              requires=("momentum",)),
-        ]
+
+def codec_optimizer_overrides(name: str, codec_options: Any, cfg: Any, *,
+                              inside: str = "hook") -> list[OptimizerOverride]:
+    """The optimizer overrides a codec's options ask for, whoever carries the codec (its own
+    DDP method here, or an engine schedule's ``compress=``; ``name`` is what the notice calls
+    it; ``inside``: where the codec runs). One rule for both, so ``wfbp:compress=signum``
+    trains like ``signum``.
+
+    A codec that keeps its own momentum (an option ``momentum``; Signum:
+    ``m = beta m + (1 - beta) g``, the sign of ``m`` sent) needs SGD without momentum:
+    SGD momentum on top compounds the two (measured on MNIST-1D: 56 % against ``ssgd``'s
+    92 %; docs/compression.md).
+
+    The learning rate becomes ``lr * (1 + mu)``: plain SGD at that rate has the same
+    stability limit (curvature below ``2 (1 + mu) / lr``) as the heavy-ball SGD it
+    replaces, so it is as safe on any model. Keeping the full effective step
+    ``lr / (1 - mu)`` gives up that margin: it was best on the 8 k-parameter cnn1d and
+    lost 10 points on the 256-channel one, so it is left to the user (``--lr``).
+    Error-feedback codecs ask for nothing: SGD momentum after them was worse on one model
+    and better on the other (docs/compression.md), a tuning question, not a conflict.
+    """
+    own = getattr(codec_options, "momentum", None)
+    if cfg.optimizer != "sgd" or cfg.momentum == 0 or not own:
+        return []
+    mu = cfg.momentum
+    return [
+        OptimizerOverride("momentum", 0.0, f"{name} applies momentum {own:g} inside its {inside}; "
+                                           f"SGD momentum {mu:g} on top would compound it", conflict=True),
+        OptimizerOverride("lr", float(f"{cfg.lr * (1.0 + mu):.12g}"),
+                          f"lr * (1 + {mu:g}) keeps SGD's stability margin without momentum; up to "
+                          f"lr / (1 - {mu:g}) = {cfg.lr / (1.0 - mu):.3g} keeps its full step where stable",
+                          requires=("momentum",)),
+    ]
 
 
 def _method_for(name: str) -> type[Method]:

@@ -39,6 +39,7 @@ from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
 from lowcomm.optim.decay import frobenius_decay_
 from lowcomm.optim.schedules import Rewarmup
+from lowcomm.sched.pairing import Mode
 
 if TYPE_CHECKING:
     from lowcomm.runtime.config import TrainConfig
@@ -78,6 +79,8 @@ class PufferfishOptions:
                 raise UsageError(f"pufferfish full_rank {self.full_rank!r} is not a valid regex: {e}") from None
         for key in ("warmup_method", "then"):
             _make_inner(key, getattr(self, key))  # refused here, before any worker starts
+        if self.frob_decay > 0:
+            _check_decay_reaches_gradients(self.then)
         name, _ = method_registry.split_spec(_nested(self.warmup_method))
         if name != "ssgd" and self.warmup_epochs == 0 and not self.auto_switch:
             raise UsageError(
@@ -111,6 +114,19 @@ def _make_inner(key: str, spec: str) -> Method:
     if method_registry.split_spec(spec)[0] == "pufferfish":
         raise UsageError(f"pufferfish {key} cannot be pufferfish itself")
     return method_registry.create(spec)
+
+
+def _check_decay_reaches_gradients(then: str) -> None:
+    """Refuse ``frob_decay`` with a sharding ``then`` engine (dear/lee18 hold gradient shards,
+    ``p.grad`` is None: the decay would silently do nothing; the factors exist only after the switch)."""
+    name = method_registry.split_spec(_nested(then))[0]
+    mode = getattr(method_registry.method_class(name), "mode", None)
+    if isinstance(mode, Mode) and mode is not Mode.ALLREDUCE:
+        full = [n for n in method_registry.names()
+                if getattr(method_registry.method_class(n), "mode", None) is Mode.ALLREDUCE]
+        raise UsageError(f"pufferfish frob_decay would do nothing with then={then}: {name} ({mode.value} mode) "
+                         f"holds gradient shards, not the factors' full gradients; for then= use a DDP method "
+                         f"or {'/'.join(full)}, or set frob_decay=0")
 
 
 @register

@@ -25,7 +25,8 @@ from lowcomm.comm import accounting
 from lowcomm.compress.codec import Codec
 from lowcomm.errors import UsageError, check_positive
 from lowcomm.methods import register
-from lowcomm.methods.base import Method, MethodContext
+from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
+from lowcomm.methods.compression import codec_optimizer_overrides
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
 from lowcomm.sched.engine import Engine, Mode
 from lowcomm.sched.module import ScheduledModule
@@ -81,7 +82,7 @@ class EngineMethod(Method):
         self.engine.attach_scaler(self.scaler)
         self.setup(self.engine)
         if self._pending_state is not None:
-            self._apply_codec(self._pending_state)
+            self._apply_common(self._pending_state)
             self._apply_state(self._pending_state)
             self._pending_state = None
         self.ddp = ScheduledModule(model, self.engine)
@@ -132,6 +133,12 @@ class EngineMethod(Method):
         """Global gradient-norm clipping that works on sharded gradients too."""
         return self._need().clip_grad_norm_(max_norm, norm_type)
 
+    def optimizer_overrides(self, cfg: Any) -> list[OptimizerOverride]:
+        """The carried codec's needs, by its own method's rule (Signum's momentum leaves SGD)."""
+        c = self.codec_class
+        return [] if c is None else codec_optimizer_overrides(
+            f"{self.name}:compress={c.name}", self.options.codec_options, cfg, inside="codec")
+
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Grouping, step count and the codec's state (flush first: DeAR may hold undecoded messages)."""
@@ -151,12 +158,15 @@ class EngineMethod(Method):
         if self.engine is None:
             self._pending_state = dict(state)
         else:
-            self._apply_codec(state)
+            self._apply_common(state)
             self._apply_state(state)
 
-    def _apply_codec(self, state: dict[str, Any]) -> None:
+    def _apply_common(self, state: dict[str, Any]) -> None:
+        """What every schedule restores: the codec's state and the step count."""
         if self.codec is not None and "codec" in state:
             self.codec.load_state_dict(state["codec"])
+        if "steps" in state:
+            self._need().steps = int(state["steps"])
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         sizes = state.get("group_sizes")
@@ -225,13 +235,8 @@ class MGWFBP(EngineMethod):
             # probe with sizes like the model's own messages (bounded: the probe is real traffic)
             grad_bytes = sum(u.nbytes for u in engine.units)
             large = int(min(4 * MB, max(256 * 1024, grad_bytes)))
-            self.cost = probe_alpha_beta(
-                group=engine.pg,
-                small_bytes=4096,
-                large_bytes=large,
-                device=engine.groups[0].flat.device,
-                tag="mgwfbp.probe",
-            )
+            self.cost = probe_alpha_beta(group=engine.pg, small_bytes=4096, large_bytes=large,
+                                         device=engine.groups[0].flat.device, tag="mgwfbp.probe")
         else:
             self.cost = AlphaBeta(0.0, 0.0)
         self.planned = False
@@ -246,9 +251,7 @@ class MGWFBP(EngineMethod):
         assert self.cost is not None
         rows = engine.ready_profile[1:]
         ready = [statistics.median(r[u] for r in rows) for u in range(len(engine.units))]
-        sizes = plan_mgwfbp(
-            ready, [u.nbytes for u in engine.units], [u.numel for u in engine.units], self.cost
-        )
+        sizes = plan_mgwfbp(ready, [u.nbytes for u in engine.units], [u.numel for u in engine.units], self.cost)
         sizes = agree(sizes, len(engine.units), engine, tag="mgwfbp.plan")
         engine.set_grouping(sizes)
         engine.profiling = False

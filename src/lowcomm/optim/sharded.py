@@ -12,7 +12,9 @@ schedules change only the second in one of two ways, and neither needs its own o
   the per-group steps is exactly one ordinary step.
 * **sharded optimizer** (Lee et al. 2018, :class:`ShardedOptimizer`): each rank updates only
   its 1/P slice of every fused buffer with a copy of the user's optimizer (same class and
-  hyperparameters) whose state covers just that slice. A full optimizer state (a checkpoint,
+  hyperparameters) whose state covers just that slice; only an optimizer in
+  :data:`ELEMENTWISE_OPTIMIZERS` is accepted, since a per-tensor rule (Adafactor's factors,
+  LARS/LAMB trust ratios) applied to a slice is a different rule. A full optimizer state (a checkpoint,
   or the consolidation after a flush) is imported slice-wise, and :meth:`ShardedOptimizer.consolidate`
   writes the full state back into the user's optimizer, so ``optimizer.state_dict()`` stays an
   ordinary checkpoint any method can load.
@@ -29,6 +31,43 @@ import torch
 from torch import nn
 
 from lowcomm.errors import UsageError
+
+
+#: Torch optimizers whose update of one parameter element reads only that element's gradient,
+#: state and the step count (no per-tensor norm, no factored second moment), with any of their
+#: options. Why a list and not a check of the class: lee18 updates each rank's 1/P slice of a
+#: parameter with its own optimizer copy, so anything that looks across a tensor (Adafactor's
+#: row/column factors, LARS/LAMB trust ratios) silently computes something else. A new
+#: elementwise optimizer joins here (or via :func:`register_elementwise`) once that is checked.
+ELEMENTWISE_OPTIMIZERS: set[type[torch.optim.Optimizer]] = {
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.Adamax, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.RMSprop,
+    torch.optim.Rprop, torch.optim.ASGD,
+}
+
+
+def register_elementwise(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """Class decorator: declare an optimizer elementwise (safe to shard, see
+    :data:`ELEMENTWISE_OPTIMIZERS`)."""
+    ELEMENTWISE_OPTIMIZERS.add(cls)
+    return cls
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer | type[torch.optim.Optimizer]) -> bool:
+    """True when ``optimizer`` (or its class) is exactly an allowlisted class: a subclass may
+    override ``step`` with a per-tensor rule, so it must be registered itself."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return cls in ELEMENTWISE_OPTIMIZERS
+
+
+def check_elementwise(optimizer: torch.optim.Optimizer, owner: str = "lee18") -> None:
+    """Refuse, in one line, an optimizer that sharding would silently change."""
+    if not is_elementwise(optimizer):
+        valid = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
+        raise UsageError(
+            f"{owner} updates 1/P slices of each parameter, so it needs an elementwise optimizer; "
+            f"{type(optimizer).__name__} is not one (valid: {valid})"
+        )
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -95,6 +134,7 @@ class ShardedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, buffers: Sequence[FlatShard], *, owner: str = "lee18") -> None:
+        check_elementwise(optimizer, owner)
         self.buffers = list(buffers)
         self.param_shards: list[torch.Tensor] = []
         self.pieces: list[_Piece] = []

@@ -23,9 +23,11 @@ the user's optimizer: ``optimizer.state_dict()`` is an ordinary checkpoint).
 NaN/Inf and fp16 AMP (:meth:`Engine.attach_scaler`): ``allreduce`` mode leaves the averaged
 (scaled) gradient in ``p.grad`` for the user's GradScaler, as DDP does; the sharded modes give
 the scaler a view of their shards (:mod:`lowcomm.sched.shardview`). A group non-finite on one
-rank is poisoned before its reduce-scatter (a codec poisons its message), so every rank
-skips the same step. Without a scaler, :meth:`Engine.nonfinite_this_step` is a device flag
-for the trainer's single check.
+rank is poisoned before its reduce-scatter (a codec poisons its message), and a sum that
+overflows in one shard is caught by one all-reduced flag per step
+(:func:`~lowcomm.sched.shardview.agree_nonfinite`), so every rank skips the same step.
+Without a scaler, :meth:`Engine.nonfinite_this_step` is a device flag for the trainer's
+single check.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from lowcomm.sched.deferred import Deferred
 from lowcomm.sched.groups import Group, Unit, build_groups, check_unused, collect_units, name_list
 from lowcomm.sched.pairing import Mode
 from lowcomm.sched.payload import Carrier, world_and_rank
-from lowcomm.sched.shardview import ShardView, clip_sharded_
+from lowcomm.sched.shardview import ShardView, agree_nonfinite, clip_sharded_
 
 __all__ = ["Engine", "Mode"]
 
@@ -97,7 +99,7 @@ class Engine:
         self._handles: list[Any] = []
         #: optional ``torch.amp.GradScaler`` (fp16 AMP), see :meth:`attach_scaler`
         self.scaler: torch.amp.GradScaler | None = None
-        self._shard_view = ShardView(lambda: self.groups, self._step)
+        self._shard_view = ShardView(lambda: self.groups, self._step, lambda: self.finite_flags.nonfinite())
         self.finite_flags = StepFlags()  # finiteness of each group's synchronized gradient
         self._broadcast_initial()
         self._register_hooks()
@@ -225,6 +227,8 @@ class Engine:
             self.finite_flags.note(finite_flag(self._settle(g)))
             g.ready.clear()
             g.launched = False
+        if self.mode is not Mode.ALLREDUCE:  # shards: make every rank's skip decision the same
+            agree_nonfinite(self.finite_flags, self._reduce(dist.ReduceOp.MAX, "finite"))
         self._launch_ptr = 0
         self.steps += 1
         if self.codec is not None:
@@ -258,12 +262,14 @@ class Engine:
                     p.grad.copy_(avg)
         return synced
 
-    def _check_unused(self, missing: list[tuple[Group, int]]) -> None:
-        def reduce(count: torch.Tensor) -> None:
-            if self.distributed and self.world > 1:
-                accounting.all_reduce(count, group=self.pg, tag=f"{self.tag}.check")
+    def _reduce(self, op: Any, what: str) -> Callable[[torch.Tensor], None] | None:
+        """An all-reduce with ``op`` counted under ``<tag>.<what>`` (None: one process)."""
+        if not (self.distributed and self.world > 1):
+            return None
+        return lambda t: accounting.all_reduce(t, op=op, group=self.pg, tag=f"{self.tag}.{what}")
 
-        check_unused(self.groups, missing, reduce)
+    def _check_unused(self, missing: list[tuple[Group, int]]) -> None:
+        check_unused(self.groups, missing, self._reduce(dist.ReduceOp.SUM, "check") or (lambda t: None))
 
     # --- AMP and non-finite steps ---------------------------------------------------------
     def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
@@ -352,11 +358,8 @@ class Engine:
         if float(norm_type) != 2.0:
             raise UsageError(f"{self.tag}: only norm_type=2 clipping is supported, got {norm_type}")
 
-        def reduce(sq: torch.Tensor) -> None:
-            if self.distributed and self.world > 1:
-                accounting.all_reduce(sq, group=self.pg, tag=f"{self.tag}.clip")
-
-        return clip_sharded_(self.groups, self.rank, reduce, max_norm)
+        return clip_sharded_(self.groups, self.rank, self._reduce(dist.ReduceOp.SUM, "clip") or (lambda t: None),
+                             max_norm)
 
     # --- forward helpers --------------------------------------------------------------------
     def before_forward(self) -> None:

@@ -7,6 +7,11 @@ optimizer-shaped object over exactly those tensors: ``scaler.unscale_(view)`` un
 in place and records the inf check, ``scaler.step(view)`` decides (its one host sync) and
 calls back into the engine's own step, ``scaler.update`` backs off as usual.
 
+Every rank must take the same decision, but a shard is one rank's: a sum that overflows (or
+an inf a codec failed to poison) sits in one rank's shard only. :func:`agree_nonfinite`
+all-reduces one flag per step in ``finish_sync`` and the sentinel element below carries it,
+so the scaler skips (and ``nonfinite_this_step`` reads True) on every rank or on none.
+
 A DeAR group whose compressed ``SUM`` message is still undecoded contributes its summed
 message shard to one sentinel element instead: NaN when any such shard is non-finite. Those
 shards are not divided by the scale here (the decode before the forward does that, or the
@@ -20,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lowcomm.compress.feedback import finite_flag
+from lowcomm.compress.feedback import StepFlags, finite_flag
 from lowcomm.sched.groups import Group
 from lowcomm.sched.payload import InFlight
 
@@ -46,9 +51,11 @@ def message_shard(g: Group) -> torch.Tensor:
 class ShardView:
     """Optimizer-shaped view of a sharded engine's gradients for GradScaler (see module doc)."""
 
-    def __init__(self, groups: Callable[[], Sequence[Group]], step: Callable[[torch.optim.Optimizer], None]) -> None:
+    def __init__(self, groups: Callable[[], Sequence[Group]], step: Callable[[torch.optim.Optimizer], None],
+                 nonfinite: Callable[[], torch.Tensor | None] = lambda: None) -> None:
         self._groups = groups
         self._step = step
+        self._nonfinite = nonfinite  # the step's flag agreed by every rank (None: not yet)
         self.optimizer: torch.optim.Optimizer | None = None
 
     @property
@@ -65,6 +72,9 @@ class ShardView:
         device = groups[0].flat.device
         ok = (torch.stack([finite_flag(f) for f in pending]).all() if pending
               else torch.ones((), dtype=torch.bool, device=device))
+        agreed = self._nonfinite()
+        if agreed is not None:
+            ok = ok & agreed.to(device).logical_not()
         sentinel = torch.where(ok, 0.0, float("nan")).to(torch.float32).reshape(1)
         params = []
         for grad in [*grads, sentinel]:
@@ -78,6 +88,21 @@ class ShardView:
         assert self.optimizer is not None
         self._step(self.optimizer)
         return True
+
+
+def agree_nonfinite(flags: StepFlags, reduce_max: Callable[[torch.Tensor], None] | None) -> None:
+    """Replace this step's ``flags`` by one flag all ranks share: non-finite anywhere.
+
+    ``reduce_max`` takes the MAX of a one-element float tensor over ranks (None: one
+    process). One tiny collective per step, on the device, no host sync: the price of every
+    rank skipping the same step (otherwise their collectives stop pairing up and hang)."""
+    nonfinite = flags.nonfinite()
+    if nonfinite is None or reduce_max is None:
+        return
+    flag = nonfinite.to(torch.float32).reshape(1)
+    reduce_max(flag)
+    flags.clear()
+    flags.note(flag[0] == 0)
 
 
 def clip_sharded_(groups: Sequence[Group], rank: int, reduce: Callable[[torch.Tensor], None],
