@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from compress_testlib import TINY_BUCKET_MB, HOOK_CASES, Reference, make_model, reference_for, run_ranks
+from sgd_testlib import check_sgd_steps, record_sgd_steps
 from lowcomm import methods
 from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import MethodContext
 from lowcomm.sched.pairing import pairing_refusal
-from tolerance import eps, tolerance
 
 methods.names()  # load the method modules before forking
 REPO = Path(__file__).resolve().parent.parent
@@ -152,23 +152,7 @@ def _train(spec: str) -> dict[str, Any]:
     shadow = copy.deepcopy(model)
     ctx = MethodContext(rank=rank, world_size=dist.get_world_size(), bucket_cap_mb=TINY_BUCKET_MB)
     wrapped = method.wrap(model, ctx)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    gen = torch.Generator().manual_seed(100 + rank)
-    rec: dict[str, Any] = {"local": [], "before": [], "after": []}
-    for _ in range(STEPS):
-        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        (shadow(x) - y).pow(2).mean().backward()
-        rec["local"].append({n: p.grad.detach().clone() for n, p in shadow.named_parameters()})
-        rec["before"].append({n: p.detach().clone() for n, p in model.named_parameters()})
-        opt.zero_grad()
-        (wrapped(x) - y).pow(2).mean().backward()
-        method.finish_sync()
-        method.optimizer_step(opt)
-        method.flush()
-        rec["after"].append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return rec
+    return record_sgd_steps(method, model, shadow, wrapped, steps=STEPS, lr=LR, rank=rank)
 
 
 def _train_all() -> dict[str, Any]:
@@ -198,20 +182,8 @@ def test_every_working_pufferfish_cell_matches_its_central_reference_on_two_rank
     assert names == list(recs[0]["local"][0]) and any(".u." in n for n in names), "not the factorized model"
     ref, start = _reference(payload, factorized, len(recs))
     warm, _ = _reference("none", factorized, len(recs))
-    compressed = 0
-    for t in range(STEPS):
-        current = warm if t < start else ref
-        xs = [torch.cat([r["local"][t][n].reshape(-1) for n in names]) for r in recs]
-        expected = current(xs, names)
-        mean = torch.stack(xs).mean(0)
-        compressed += not torch.allclose(expected, mean, rtol=0, atol=1e-3 * float(mean.abs().max()))
-        tol = tolerance(current.dtype, ops=current.ops(names), cond=current.cond)
-        for n, g, scale in zip(names, expected.split(ref.sizes(names)), current.scale.split(ref.sizes(names))):
-            for rank, r in enumerate(recs):
-                before, after = r["before"][t][n].reshape(-1), r["after"][t][n].reshape(-1)
-                bound = LR * tol * float(scale.max()) + 2 * eps(torch.float32) * float(before.abs().max())
-                err = float((after - (before - LR * g)).abs().max())
-                assert err <= bound, f"pufferfish+{schedule}+{payload} step {t} {n} rank {rank}: {err:.3g} > {bound:.3g}"
+    compressed = check_sgd_steps(recs, names, ref, warm, start, steps=STEPS, lr=LR,
+                                 label=f"pufferfish+{schedule}+{payload}")
     if payload != "none" and not codec_class(payload).elementwise:  # a cast may round these exactly
         assert compressed >= 1, f"pufferfish+{schedule}+{payload}: the reference never differed from the mean"
 

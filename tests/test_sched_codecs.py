@@ -23,16 +23,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from compress_testlib import HOOK_CASES, make_model, reference_for, run_ranks
+from sgd_testlib import check_sgd_steps, record_sgd_steps
 from lowcomm import methods
 from lowcomm.compress.codec import CODECS, Aggregation, codec_class
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import MethodContext
 from lowcomm.sched.pairing import pairing_refusal
-from tolerance import eps, tolerance
 
 methods.names()  # load the method modules before forking
 LR = 0.05
@@ -63,26 +62,10 @@ REFUSED = [(s, c) for s, c in PAIRS if pairing_refusal(s, c) is not None]
 
 def _train(spec: str) -> dict[str, Any]:
     rank = dist.get_rank()
-    model = make_model()
-    shadow = make_model()
+    model, shadow = make_model(), make_model()
     method = methods.create(spec)
     wrapped = method.wrap(model, MethodContext(rank=rank, world_size=dist.get_world_size()))
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    gen = torch.Generator().manual_seed(100 + rank)
-    rec: dict[str, Any] = {"local": [], "before": [], "after": []}
-    for _ in range(STEPS):
-        x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
-        shadow.load_state_dict(model.state_dict())
-        shadow.zero_grad()
-        (shadow(x) - y).pow(2).mean().backward()
-        rec["local"].append({n: p.grad.detach().clone() for n, p in shadow.named_parameters()})
-        rec["before"].append({n: p.detach().clone() for n, p in model.named_parameters()})
-        opt.zero_grad()
-        (wrapped(x) - y).pow(2).mean().backward()
-        method.finish_sync()
-        method.optimizer_step(opt)
-        method.flush()
-        rec["after"].append({n: p.detach().clone() for n, p in model.named_parameters()})
+    rec = record_sgd_steps(method, model, shadow, wrapped, steps=STEPS, lr=LR, rank=rank)
     rec["state"] = method.state_dict()
     return rec
 
@@ -107,22 +90,7 @@ def test_schedule_carrying_codec_matches_central_reference_on_two_ranks(
     ref = reference_for(codec, opts, len(recs))
     warm = reference_for("ssgd", {}, len(recs))
     start = int(opts.get("start_iter", 0))
-    compressed = 0
-    for t in range(STEPS):
-        current = warm if t < start else ref
-        xs = [torch.cat([r["local"][t][n].reshape(-1) for n in names]) for r in recs]
-        expected = current(xs, names)
-        tol = tolerance(current.dtype, ops=current.ops(names), cond=current.cond)
-        mean = torch.stack(xs).mean(0)
-        if t >= start and not torch.allclose(expected, mean, rtol=0, atol=1e-3 * float(mean.abs().max())):
-            compressed += 1
-        for n, g, scale in zip(names, expected.split(ref.sizes(names)), current.scale.split(ref.sizes(names))):
-            for rank, r in enumerate(recs):
-                before, after = r["before"][t][n].reshape(-1), r["after"][t][n].reshape(-1)
-                want = before - LR * g
-                bound = LR * tol * float(scale.max()) + 2 * eps(torch.float32) * float(before.abs().max())
-                err = float((after - want).abs().max())
-                assert err <= bound, f"{schedule}+{codec} step {t} {n} rank {rank}: err {err:.3g} > {bound:.3g}"
+    compressed = check_sgd_steps(recs, names, ref, warm, start, steps=STEPS, lr=LR, label=f"{schedule}+{codec}")
     if codec_class(codec).stateful:  # a stateless cast may round these values exactly
         assert compressed >= 1, f"{schedule}+{codec}: the reference never differed from the mean"
     assert "codec" in recs[0]["state"]  # the codec's state is part of the method's checkpoint

@@ -21,7 +21,8 @@ from lowcomm.compress.feedback import finite_flag, poison_
 
 
 class CastCompressor(Compressor):
-    """The cast as a plain :class:`Compressor` (payload math only; the profiler times it)."""
+    """The cast as a plain :class:`Compressor` (payload math only, without the codec's division by P
+    and padding): the form the payload unit tests check."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype

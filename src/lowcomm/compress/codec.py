@@ -231,8 +231,13 @@ class Codec(ABC):
         """
 
     def advance(self, msg: Message, received: torch.Tensor) -> Message:
-        """The next message, from what the non-final ``msg`` received (see :class:`Message`)."""
-        raise NotImplementedError(f"{self.name}: every message is final")
+        """The next message, from what the non-final ``msg`` received (see :class:`Message`).
+
+        Only codecs that emit a non-final message override this; the transports call it for
+        non-final messages only, so reaching this default is a codec bug (a message marked
+        ``final=False`` by a codec with no next message), reported as such."""
+        raise RuntimeError(f"{self.name} marked a message non-final but has no next message "
+                           "(a codec with final=False messages must override advance)")
 
     @abstractmethod
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
