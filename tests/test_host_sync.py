@@ -125,6 +125,13 @@ ENGINE = [
     "dear:compress=acpsgd,rank=2,start_iter=1",
     "dear",
     "lee18",
+    # the engine's cast, gathered and point-to-point paths (issue 11)
+    "dear:compress=fp16",
+    "lee18:compress=bf16",
+    "wfbp:compress=topk,density=0.1,start_iter=1",
+    "dear:compress=signsgd,start_iter=1",
+    "lee18:compress=qsgd,start_iter=1",
+    "mgwfbp:compress=gtopk,density=0.1,start_iter=1,alpha=1.0,beta=0.0",
 ]
 
 
