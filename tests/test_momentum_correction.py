@@ -248,6 +248,15 @@ def test_nesterov_with_momentum_correction_is_refused_with_the_fix() -> None:
     assert cfg.nesterov and cfg.momentum == TrainConfig().momentum and lines == []
 
 
+@pytest.mark.parametrize("spec, local", [("topk", True), ("powersgd", False)])
+def test_clip_grad_with_momentum_correction_is_refused_with_the_fix(spec: str, local: bool) -> None:
+    with pytest.raises(UsageError, match="--clip-grad.*momentum_correction=false") as err:
+        _apply(f"wfbp:compress={spec}", clip_grad=1.0, explicit=["clip_grad"])
+    assert ("clip=NORM" in str(err.value)) == local
+    cfg, lines, _ = _apply(f"wfbp:compress={spec},momentum_correction=false", clip_grad=1.0, explicit=["clip_grad"])
+    assert cfg.clip_grad == 1.0 and cfg.momentum == TrainConfig().momentum and lines == []
+
+
 def test_adamw_turns_momentum_correction_off_with_a_one_line_notice() -> None:
     cfg, lines, moved = _apply("wfbp:compress=acpsgd", optimizer="adamw", explicit=["optimizer"])
     assert moved == {} and cfg.weight_decay == TrainConfig().weight_decay
@@ -434,3 +443,20 @@ def test_low_rank_masking_removes_the_sent_subspace_from_the_velocity(name: str)
     assert float(left_over.abs().max()) <= tol  # nothing of the sent part is left
     sent = before @ basis @ basis.T if right else basis @ basis.T @ before
     assert float((after - (before - sent)).abs().max()) <= tol  # and nothing else was removed
+
+
+def test_simulator_prices_the_velocity_the_trainer_moves_into_the_codec() -> None:
+    from lowcomm.compress.codec import TRAINER_MOMENTUM
+    from lowcomm.sim.schedules.codec import CodecPlan
+
+    assert TRAINER_MOMENTUM == TrainConfig().momentum
+    shapes = [(64, 32), (64,)]
+    for name in CORRECTED:
+        plain = codec_class(name)(world=4).cost(shapes, world=4).encode
+        moved = codec_class(name)(world=4)
+        moved.set_momentum(TrainConfig().momentum)
+        priced = CodecPlan(name).codec(4).cost(shapes, world=4).encode
+        assert priced == moved.cost(shapes, world=4).encode, name
+        assert priced.elementwise >= plain.elementwise + 2 * (64 * 32 + 64), name
+    off = CodecPlan("topk", codec_class("topk").Options(momentum_correction=False)).codec(4)
+    assert off.momentum_factor == 0.0

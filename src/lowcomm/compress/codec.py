@@ -280,6 +280,14 @@ class Codec(Velocity, ABC):
         self.step += 1
 
     # --- momentum correction (set_momentum, accumulate, mask_velocity: see Velocity) ----
+    def as_trained(self) -> Codec:
+        """This codec with the momentum the trainer moves into it by default (SGD's 0.9,
+        when its ``momentum_correction`` is on), so what a simulator or profiler prices or
+        times includes the velocity's passes, as ``lowcomm train`` runs it. Returns self."""
+        if getattr(self.options, "momentum_correction", False):
+            self.set_momentum(TRAINER_MOMENTUM)
+        return self
+
     def velocity_work(self, shapes: Sequence[Sequence[int]]) -> Work:
         """Encode work of :meth:`accumulate` for a buffer fusing ``shapes`` (add it to
         :meth:`cost`'s encode work): two elementwise passes when the velocity is on."""
@@ -348,6 +356,10 @@ class Codec(Velocity, ABC):
         return {"compress": self.name, "options": dataclasses.asdict(self.options), "compress_step": self.step,
                 "momentum_factor": self.momentum_factor}
 
+
+#: SGD momentum of ``lowcomm train``'s defaults (``--momentum``), which the trainer moves into
+#: a codec with ``momentum_correction``: what :meth:`Codec.as_trained` assumes
+TRAINER_MOMENTUM = 0.9
 
 #: name -> codec class (``CODECS.get("topk")``); filled by the modules of ``lowcomm.compress``
 #: (every public module of the package is imported on first look-up)

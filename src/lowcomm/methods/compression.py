@@ -89,7 +89,7 @@ def momentum_overrides(name: str, codec_options: Any, cfg: Any, *, inside: str) 
     the codec (SGD momentum -> 0) and the weight decay becomes ``wd / (1 - mu)``: in heavy-ball
     SGD the decay term goes through the momentum (steady-state gain ``1 / (1 - mu)``), applied
     outside it needs that gain explicitly. Moved even when typed (the training is the same);
-    ``--nesterov`` is refused with the fix; AdamW: not applicable, off, with a notice."""
+    ``--nesterov`` and ``--clip-grad`` are refused with the fix; AdamW: not applicable, off, with a notice."""
     if not getattr(codec_options, "momentum_correction", False):
         return []
     if cfg.optimizer == "adamw":
@@ -102,6 +102,11 @@ def momentum_overrides(name: str, codec_options: Any, cfg: Any, *, inside: str) 
         raise UsageError(f"--method {name} with --nesterov: momentum correction keeps heavy-ball momentum in the "
                          f"{inside}, which has no Nesterov form; add momentum_correction=false to the method "
                          "(or leave --nesterov out)")
+    if getattr(cfg, "clip_grad", None):
+        local = " or clip=NORM (DGC's local clipping, before the velocity)" if hasattr(codec_options, "clip") else ""
+        raise UsageError(f"--method {name} with --clip-grad: momentum correction makes the synchronized gradient "
+                         "the momentum's update, so --clip-grad would clip the update, not the gradient; add "
+                         f"momentum_correction=false to the method{local}")
     keep = "add momentum_correction=false to the method to keep it in the optimizer"
     out = [OptimizerOverride("momentum", 0.0, f"momentum {mu:g} moves into the {inside} (momentum correction; {keep})",
                              moves=True)]

@@ -32,6 +32,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _encode_as_trained(codec: Codec, buf: torch.Tensor, layout: Layout, finite: torch.Tensor) -> Message:
+    """What a transport does to a buffer before sending: the velocity (momentum correction,
+    a no-op without it), then the first message."""
+    codec.accumulate(buf, layout, finite)
+    return codec.encode(buf, layout, finite)
+
+
 def _timed(fn: Callable[[], Any], device: torch.device, reps: int = 5) -> float:
     fn()
     _sync(device)
@@ -238,7 +245,7 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
     out: dict[str, dict[str, float]] = {}
     for name in CODECS.names():
         cls = codec_class(name)
-        enc = _timed(functools.partial(cls(world=4).encode, x.clone(), layout, finite), device, reps)
+        enc = _timed(functools.partial(_encode_as_trained, cls(world=4).as_trained(), x.clone(), layout, finite), device, reps)
         lo, collective = _decode_s(cls, x, layout, finite, 2, device, reps)
         entry = {"encode_s_per_elem": enc / numel}
         if collective == "all_gather":

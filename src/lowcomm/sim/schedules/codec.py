@@ -56,7 +56,7 @@ class CodecPlan:
     def codec(self, world: int) -> Codec:
         """The codec instance for ``world`` workers (built once)."""
         if world not in self._by_world:
-            self._by_world[world] = self.cls(self.options, world=world)
+            self._by_world[world] = self.cls(self.options, world=world).as_trained()
         return self._by_world[world]
 
     def cost(self, sim: Sim, b: Bucket, it: int) -> CodecCost:
