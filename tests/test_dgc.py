@@ -181,7 +181,8 @@ def _velocity_before_masking(codecs: list[Any], flats: list[torch.Tensor]) -> li
 
 @pytest.mark.parametrize("name, world", [("topk", 2), ("gtopk", 2), ("gtopk", 4)])
 def test_masking_zeroes_the_velocity_exactly_where_values_were_sent(name: str, world: int) -> None:
-    codecs = make(name, world, momentum=0.9, start_iter=0, sparsity_warmup=0, density=0.05)
+    codecs = make(name, world, momentum=0.9, start_iter=0, sparsity_warmup=0, density=0.05,
+                  momentum_masking=True)
     sync_step(codecs, grads(world, 0))  # the velocity and memory now hold something
     flats = grads(world, 1)
     u = _velocity_before_masking(codecs, flats)
@@ -345,3 +346,11 @@ def test_through_the_ddp_hook_masking_and_bytes_follow_the_warmup() -> None:
             assert (u == 0).any()
     assert densities == [0.25, 0.25, 0.0625, 0.0625, 0.02, 0.02]
     assert accounting.ledger().as_dict()["payload_bytes"] - 4 * sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_gtopk_defaults_differ_from_topk_where_measured() -> None:
+    """gTop-k's longer sparsity warm-up and masking off (GTopKOptions says why)."""
+    top, gtop = codec_class("topk").Options(), codec_class("gtopk").Options()
+    assert (top.momentum_masking, top.sparsity_warmup) == (True, "3ep")
+    assert (gtop.momentum_masking, gtop.sparsity_warmup) == (False, "6ep")
+    assert gtop.density == top.density == 0.01
