@@ -133,6 +133,14 @@ def accuracy_axis(ax: Any, result: dict[str, Any], net: dict[str, Any]) -> None:
     ax.legend(fontsize=7, loc="best")
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay out, write (120 dpi) and close a figure: every plot here ends the same way."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_breakdown(result: dict[str, Any], path: Path, *, with_accuracy: bool = False) -> Path:
     """Stacked median phase times per method, one panel per network, lower bound marked; with
     ``with_accuracy`` the time-to-accuracy panels above them."""
@@ -149,10 +157,7 @@ def plot_breakdown(result: dict[str, Any], path: Path, *, with_accuracy: bool = 
     axes[nrows - 1][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     head = "Time to accuracy and time per iteration by phase" if with_accuracy else "Time per iteration by phase"
     fig.suptitle(f"{head} — {_subtitle(result)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_speedup(result: dict[str, Any], path: Path) -> Path:
@@ -185,10 +190,7 @@ def plot_speedup(result: dict[str, Any], path: Path) -> Path:
     ax.set_title(
         f"Speed-up vs bandwidth — {result.get('model')}, {result.get('world_size')} workers", fontsize=10
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_accuracy(result: dict[str, Any], path: Path) -> Path:
@@ -200,10 +202,7 @@ def plot_accuracy(result: dict[str, Any], path: Path) -> Path:
     for ax, net in zip(axes[0], nets):
         accuracy_axis(ax, result, net)
     fig.suptitle(f"Time to accuracy — {_subtitle(result)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 __all__ = ["accuracy_axis", "breakdown_axis", "plot", "plot_accuracy", "plot_breakdown", "plot_speedup"]
