@@ -1,0 +1,103 @@
+"""K-FAC's collectives, all through :mod:`lowcomm.comm.accounting` so the ledger counts them.
+
+* factor statistics are all-reduced and averaged, tagged ``kfac.A`` / ``kfac.G``: an async
+  all-reduce started from the hooks (pipelined; per factor, or per merged group once
+  :mod:`~lowcomm.optim.kfac.pipeline` has a plan), or one fused all-reduce per kind in
+  ``step()`` (the non-pipelined baseline); the upper triangle only with ``symmetric_comm``
+  (a diagonal factor is a vector either way);
+* DP-KFAC's preconditioned gradients are broadcast by the preconditioner (tag ``kfac.grad``);
+* each remote decomposition is broadcast from its owner, tagged ``kfac.eigen`` or
+  ``kfac.inverse``; all broadcasts are launched before any is waited on.
+
+Every tensor handed to a collective lives on the factor's device (the parameters' device).
+K-FAC's traffic runs on its own process group, so it never interleaves with DDP's buckets
+on the default group (collectives on one group must be issued in one order by every rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowcomm.comm import accounting
+from lowcomm.optim.kfac.factors import pack, packed_numel, unpack
+from lowcomm.optim.kfac.fusion import Flight
+from lowcomm.optim.kfac.inverse import Decomposition, from_wire, to_wire, wire_numel
+from lowcomm.optim.kfac.placement import FactorKey
+
+
+class FactorComm:
+    """The collectives of one preconditioner on one process group."""
+
+    def __init__(self, group: Any, world_size: int, rank: int, symmetric: bool) -> None:
+        self.group = group
+        self.world_size = world_size
+        self.rank = rank
+        self.symmetric = symmetric
+
+    @classmethod
+    def create(cls, symmetric: bool) -> FactorComm:
+        """One on a new group of all ranks (collective: every rank must call it), or a
+        world-size-1 one when torch.distributed is not initialized."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(None, 1, 0, symmetric)
+        group = dist.new_group(list(range(dist.get_world_size())))
+        return cls(group, dist.get_world_size(), dist.get_rank(), symmetric)
+
+    def start(self, flat: torch.Tensor, kind: str) -> Any:
+        """Start the async all-reduce of a packed buffer; its work handle (None alone)."""
+        if self.world_size == 1:
+            return None
+        return accounting.all_reduce(flat, group=self.group, async_op=True, tag=f"kfac.{kind}")
+
+    def finish(self, flight: Flight, n: int, diagonal: bool) -> torch.Tensor:
+        """Wait for a launched all-reduce; the averaged factor statistic, unpacked."""
+        return unpack(flight.wait(), n, self.symmetric, diagonal=diagonal) / self.world_size
+
+    def reduce_all(self, stats: Sequence[tuple[torch.Tensor, int, bool]], kind: str) -> list[torch.Tensor]:
+        """Average ``(stat, n, diagonal)`` statistics in one fused all-reduce (baseline mode)."""
+        if not stats:
+            return []
+        flats = [pack(s, self.symmetric) for s, _, _ in stats]
+        if self.world_size > 1:
+            buf = torch.cat(flats)
+            accounting.all_reduce(buf, group=self.group, tag=f"kfac.{kind}")
+            flats = list(buf.split([f.numel() for f in flats]))
+        return [unpack(f, n, self.symmetric, diagonal=d) / self.world_size
+                for f, (_, n, d) in zip(flats, stats)]
+
+    def share(self, mine: dict[FactorKey, Decomposition], remote: Sequence[FactorKey],
+              plan: dict[FactorKey, int | None], compute: str,
+              devices: dict[FactorKey, torch.device]) -> dict[FactorKey, Decomposition]:
+        """Broadcast each remote factor's decomposition from its owner; every rank gets all.
+
+        ``mine`` holds the decompositions this rank owns; ``remote`` lists every remote factor
+        in one order shared by all ranks; ``devices`` gives each one's device. The owner uses the received form too (the upper
+        triangle mirrored), so all ranks apply bit-identical preconditioners.
+        """
+        tag = f"kfac.{compute}"
+        pending: list[tuple[FactorKey, torch.Tensor, Any]] = []
+        for key in remote:
+            owner = plan[key]
+            assert owner is not None
+            if owner == self.rank:
+                buf = to_wire(mine[key], compute, self.symmetric).contiguous()
+            else:
+                buf = torch.empty(wire_numel(key.dim, compute, self.symmetric, key.diagonal), dtype=torch.float32,
+                                  device=devices[key])
+            work = accounting.broadcast(buf, owner, group=self.group, async_op=True, tag=tag)
+            pending.append((key, buf, work))
+        out: dict[FactorKey, Decomposition] = {}
+        for key, buf, work in pending:
+            work.wait()
+            out[key] = from_wire(buf, key.dim, compute, self.symmetric, key.diagonal)
+        return out
+
+
+def factor_bytes(dims: Sequence[tuple[int, bool]], symmetric: bool) -> int:
+    """Payload bytes of one all-reduce round of float32 factors ``(n, diagonal)``: what the
+    ledger's ``payload_bytes`` grows by per factor update (tests and the docs use it)."""
+    return 4 * sum(packed_numel(n, symmetric, diagonal=d) for n, d in dims)
