@@ -8,11 +8,14 @@ name is used):
 * per-step LR schedules (:func:`lr_factor`, :func:`build_scheduler`) and a method's
   temporary LR ramp (:class:`Rewarmup`, Pufferfish's re-warm-up after its switch);
 * gradient regularizers applied before the step (:func:`frobenius_decay_`);
-* the shard-aware step used by the ``dear`` and ``lee18`` schedules (``lowcomm.optim.sharded``).
+* the shard-aware step used by the ``dear`` and ``lee18`` schedules (``lowcomm.optim.sharded``);
+* K-FAC, the distributed Kronecker-factored preconditioner (:class:`KFAC`, the
+  ``lowcomm.optim.kfac`` package; ``lowcomm train --optimizer kfac[:key=value,...]`` is parsed
+  by ``lowcomm.optim.kfac_spec``; docs/kfac.md).
 
-Later issues add layer-wise adaptive optimizers (LARS/LAMB) and K-FAC here: a new module in
-this package, its factory in :data:`lowcomm.optim.builders.OPTIMIZER_FACTORIES`, and its
-public names in :data:`EXPORTS`.
+A later issue adds layer-wise adaptive optimizers (LARS/LAMB) here: a new module in this
+package, its factory in :data:`lowcomm.optim.builders.OPTIMIZER_FACTORIES`, and its public
+names in :data:`EXPORTS`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ EXPORTS: dict[str, str] = {
     "ShardedOptimizer": "sharded",
     "hyperparameters": "sharded",
     "step_subset": "sharded",
-    # adaptive / second-order optimizers (LARS, LAMB, K-FAC): later issues
+    # second-order preconditioning (K-FAC: the lowcomm.optim.kfac package)
+    "KFAC": "kfac",
+    # adaptive optimizers (LARS, LAMB): later issues
 }
 
 __all__ = sorted(EXPORTS)

@@ -3,8 +3,10 @@ method may ask to change before they are built.
 
 Why one module: every place that needs an optimizer (the trainer at start, the trainer again
 after Pufferfish's switch, the tests) must build the *same* one from the same settings; a
-second builder would drift. New optimizers (LARS/LAMB, K-FAC) are added to
-:data:`OPTIMIZER_FACTORIES` with one entry each and a choice in ``TrainConfig``.
+second builder would drift. New optimizers (LARS/LAMB) are added to
+:data:`OPTIMIZER_FACTORIES` with one entry each and a choice in ``TrainConfig``. K-FAC is
+not one: it preconditions ``p.grad`` in front of one of these (``--optimizer kfac:base=...``,
+:mod:`lowcomm.optim.kfac_spec`; the trainer runs it through :mod:`lowcomm.runtime.kfac_hook`).
 """
 
 from __future__ import annotations
@@ -113,8 +115,9 @@ def _adamw(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-#: ``--optimizer`` name -> factory(param groups, config). The place where LARS/LAMB and K-FAC
-#: will be added (their names also go into ``lowcomm.runtime.config.OPTIMIZERS``).
+#: ``--optimizer`` name -> factory(param groups, config). The place where LARS/LAMB will be
+#: added (their names also go into ``lowcomm.optim.kfac_spec.BASE_OPTIMIZERS``, which K-FAC's
+#: ``base=`` accepts too).
 OPTIMIZER_FACTORIES: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
     "sgd": _sgd,
     "adamw": _adamw,
@@ -126,5 +129,6 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     after every re-wrap that changes the parameters (Pufferfish's switch resets its state)."""
     factory = OPTIMIZER_FACTORIES.get(cfg.optimizer)
     if factory is None:
-        raise UsageError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZER_FACTORIES)}")
+        raise UsageError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZER_FACTORIES)} "
+                         "(K-FAC: TrainConfig.validate turns 'kfac:...' into one of them plus cfg.kfac)")
     return factory(param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias), cfg)

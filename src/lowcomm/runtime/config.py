@@ -8,9 +8,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lowcomm.errors import UsageError, check_count, check_positive, check_range
+from lowcomm.optim.kfac_spec import BASE_OPTIMIZERS, resolve_optimizer
 
 SCHEDULES = ("constant", "step", "multistep", "cosine")
-OPTIMIZERS = ("sgd", "adamw")
+#: base optimizers; ``--optimizer kfac[:key=value,...]`` puts K-FAC in front of one
+#: (:mod:`lowcomm.optim.kfac_spec`: the spec becomes ``optimizer`` plus ``kfac``)
+OPTIMIZERS = BASE_OPTIMIZERS
 AMP_MODES = ("auto", "fp16", "bf16")
 #: Local worker processes one ``lowcomm train --nproc`` may start. Each is a full Python +
 #: torch process; beyond this a typo would fork-bomb the machine (use torchrun across nodes).
@@ -35,7 +38,8 @@ class TrainConfig:
     batch_size: int = 64  # per worker
     eval_batch_size: int = 512
     lr: float = 0.1
-    optimizer: str = "sgd"
+    optimizer: str = "sgd"  # sgd, adamw, or kfac[:key=value,...] (validate: base name + kfac)
+    kfac: dict[str, Any] | None = None  # K-FAC's options (None: no K-FAC), see lowcomm.optim.kfac_spec
     momentum: float = 0.9
     nesterov: bool = False
     weight_decay: float = 5e-4
@@ -97,8 +101,7 @@ class TrainConfig:
         if self.threads is not None:
             check_count("--threads", self.threads, maximum=MAX_THREADS)
         check_count("--seed", self.seed, minimum=0, maximum=2**32 - 1)
-        if self.optimizer not in OPTIMIZERS:
-            raise UsageError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        resolve_optimizer(self)  # "kfac:..." -> base optimizer + kfac options; bad keys refused
         if self.schedule not in SCHEDULES:
             raise UsageError(f"unknown schedule {self.schedule!r}; valid: {', '.join(SCHEDULES)}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -37,7 +37,8 @@ def summary(t: Trainer) -> dict[str, Any]:
         "batch_size": t.cfg.batch_size,
         # effective settings, after any method override (e.g. signum turns momentum off)
         "optimizer": {"name": t.cfg.optimizer, "lr": t.cfg.lr,
-                      "momentum": t.cfg.momentum, "weight_decay": t.cfg.weight_decay},
+                      "momentum": t.cfg.momentum, "weight_decay": t.cfg.weight_decay,
+                      "kfac": t.cfg.kfac},  # K-FAC's settings in front of the base (None: off)
         "amp": t.cfg.amp,
         "params": sum(p.numel() for p in t.raw.parameters()),
         "params_initial": t.params_before,

@@ -16,7 +16,7 @@ import tempfile
 from typing import Any
 
 from lowcomm.errors import MAX_COUNT, UsageError, check_count
-from lowcomm.runtime.config import OPTIMIZERS, SCHEDULES, TrainConfig
+from lowcomm.runtime.config import SCHEDULES, TrainConfig
 from lowcomm.runtime.flags import explicit_train_flags
 from lowcomm.runtime.launch import launch_workers, under_torchrun
 
@@ -71,7 +71,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="per worker")
     p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default=d.optimizer)
+    p.add_argument("--optimizer", default=d.optimizer, metavar="NAME",
+                   help="sgd, adamw, or kfac[:key=value,...]: K-FAC preconditioning in front of "
+                        "base=sgd (default) or base=adamw (docs/kfac.md)")
     p.add_argument("--momentum", type=float, default=d.momentum)
     p.add_argument("--nesterov", action="store_true")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
@@ -144,6 +146,10 @@ def check_names(cfg: TrainConfig) -> None:
     models.MODELS.get(cfg.model)
     data.DATASETS.get(cfg.data)
     method = methods.create(cfg.method)
+    if cfg.kfac is not None:
+        from lowcomm.runtime.kfac_hook import check_method
+
+        check_method(cfg, method)  # e.g. dear: no full gradient in p.grad to precondition
     if cfg.model_args:
         check_model_args(cfg.model, cfg.model_args)
     if method.timing_only and cfg.eval:

@@ -35,6 +35,7 @@ from lowcomm.runtime import checkpoint, timing
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.runtime.distributed import init_distributed
 from lowcomm.runtime.evaluation import evaluate
+from lowcomm.runtime.kfac_hook import KFACRun
 from lowcomm.runtime.measure import InterfaceCounter, LastGradClock
 from lowcomm.runtime.precision import amp_dtype, autocast, grad_scaler
 from lowcomm.runtime.records import Progress, RunLog
@@ -58,6 +59,7 @@ class Trainer:
         # Encoder-decoder models trained as a copy task predict their own input.
         self.target_is_input = getattr(model_registry.info(cfg.model), "lm_target", "next") == "input"
         self.method: Method = method_registry.create(cfg.method)
+        self.kfac = KFACRun(cfg, self.method)  # --optimizer kfac:...: base optimizer + K-FAC (or inactive)
         moved: dict[str, Any] = {}  # momentum correction: SGD's momentum moves into the codec
         for line in apply_method_overrides(cfg, self.method, moved):  # e.g. signum: no SGD momentum
             if self.dist.is_main:
@@ -117,6 +119,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.cfg, raw)
         self.scheduler = build_scheduler(self.cfg, self.optimizer, self.steps_per_epoch, self.total_steps,
                                          multiplier=self.method.lr_multiplier)
+        self.kfac.build(self, resume_state)  # on the (re)wrapped layers; the checkpoint's K-FAC state
         if resume_state is not None:
             self.optimizer.load_state_dict(resume_state["optimizer"])
             self.scheduler.load_state_dict(resume_state["scheduler"])
@@ -175,6 +178,7 @@ class Trainer:
             "method": self.method.state_dict(),
             "history": self.history,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "kfac": self.kfac.state_dict(),  # collective with DP-KFAC: every rank is here
         }
         if self.dist.is_main:
             payload["model"] = self.raw.state_dict()
@@ -234,12 +238,13 @@ class Trainer:
 
         with t.phase("optimizer"):
             loss_value, skip = self._check_step(loss)
+            if self.scaler is not None and not skip:
+                self.method.unscale_(self.optimizer)  # inf check recorded, no host sync
+            self.kfac.step(t)  # preconditions p.grad; on a skipped step too (consumes its all-reduces)
             if skip:
                 warn_nonfinite(f"step {self.step} of {self.cfg.method!r} left the method's state unchanged")
                 self.method.skip_step(self.optimizer)
             else:
-                if self.scaler is not None:
-                    self.method.unscale_(self.optimizer)  # inf check recorded, no host sync
                 if self.cfg.clip_grad:
                     clip = getattr(self.method, "clip_grad_norm_", None)
                     if clip is not None:

@@ -132,7 +132,10 @@ class KFAC:
             if not self._collect(module):
                 return
             st = self._factors[layer.name]
-            st.a_acc.add(layer.a_stat(inputs))
+            # the trainer's autocast covers the forward: statistics in fp16/bf16 would
+            # overflow and no decomposition takes them; factors are float32
+            with torch.autocast(device_type=layer.weight.device.type, enabled=False):
+                st.a_acc.add(layer.a_stat(inputs))
             if self.pipeline and st.a_acc.count == self.accumulation_steps:
                 mean = st.a_acc.mean()
                 assert mean is not None
