@@ -113,6 +113,7 @@ def test_kfac_options_from_python_are_checked_too() -> None:
         (["--optimizer", "kfac", "--method", "lee18"], "lee18 holds the averaged gradient as shards"),
         (["--optimizer", "kfac", "--method", "pufferfish:warmup_epochs=1,then=dear"], "dear holds"),
         (["--optimizer", "kfac", "--method", "torch_fsdp", "--no-eval"], "FSDP"),
+        (["--optimizer", "kfac:grad_worker_fraction=0.75"], "--optimizer kfac: grad_worker_fraction=0.75 on 2"),
     ],
 )
 def test_cli_refuses_in_one_line_exit_2(argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -272,10 +272,12 @@ def test_invalid_arguments_raise_usage_errors(kwargs: dict[str, Any], match: str
         KFAC(nn.Linear(2, 2), **kwargs)
 
 
-def test_grad_worker_fractions_built_are_every_rank_or_one() -> None:
+def test_grad_worker_fractions_give_a_whole_divisor_of_the_world_size() -> None:
     assert grad_workers(1.0, 4) == 4 and grad_workers(0.25, 4) == 1 and grad_workers(0.5, 1) == 1
-    with pytest.raises(UsageError, match=r"hybrid fractions in between are not built yet"):
-        grad_workers(0.5, 4)
+    assert grad_workers(0.5, 4) == 2 and grad_workers(0.1, 4) == 1  # KAISA: max(1, world * fraction)
+    for fraction in (0.3, 0.75):  # 1.2 workers; 3 workers do not divide 4 ranks
+        with pytest.raises(UsageError, match=r"valid fractions on 4 ranks: 1/4 = 0.25, 2/4 = 0.5, 4/4 = 1"):
+            grad_workers(fraction, 4)
 
 
 def test_a_bad_schedule_value_names_the_option_and_step() -> None:

@@ -82,3 +82,27 @@ def test_probed_plan_covers_every_factor_once_on_every_rank() -> None:
         sizes = torch.tensor([len(g) for g in groups[kind]])
         assert _same_on_all_ranks(sizes) and _same_on_all_ranks(torch.tensor(flat))
     assert dist.get_world_size() == 2
+
+
+@distributed(world_size=2)
+def test_resumed_preconditioner_keeps_the_plan_instead_of_profiling_again() -> None:
+    """On 3+ ranks the grouping changes the ring's summation order, so a resumed run must send
+    the factors in the groups the interrupted run chose (and not re-profile)."""
+    from lowcomm.optim.kfac import KFAC
+
+    def early(kfac):  # type: ignore[no-untyped-def]
+        kfac.pipeline_comm.window = (0, 2)
+        kfac.pipeline_comm.fixed_cost = CostModel(100.0, 0.0)  # everything merges
+        return kfac
+
+    net, kfac = _run(3, pipeline=True, configure=early)
+    state = kfac.state_dict()
+    assert state["pipeline"]["groups"] == kfac.pipeline_comm.groups
+    assert state["pipeline"]["factor_steps"] == 3 and state["pipeline"]["cost"] == [100.0, 0.0]
+    kfac.remove()
+    fresh = KFAC(net, factor_update_steps=1, inv_update_steps=2, damping=0.01, local_inverse_below=0)
+    assert fresh.pipeline_comm.groups is None
+    fresh.load_state_dict(state)
+    assert fresh.pipeline_comm.groups == kfac.pipeline_comm.groups
+    assert fresh.pipeline_comm.factor_steps == 3 and not fresh.pipeline_comm._profiling()
+    fresh.remove()

@@ -150,6 +150,12 @@ def check_names(cfg: TrainConfig) -> None:
         from lowcomm.runtime.kfac_hook import check_method
 
         check_method(cfg, method)  # e.g. dear: no full gradient in p.grad to precondition
+        from lowcomm.optim.kfac.options import grad_workers
+
+        try:  # KAISA's groups need a whole divisor of the world size: say so before the workers start
+            grad_workers(cfg.kfac["grad_worker_fraction"], cfg.nproc)
+        except UsageError as e:
+            raise UsageError(f"--optimizer kfac: {e}") from None
     if cfg.model_args:
         check_model_args(cfg.model, cfg.model_args)
     if method.timing_only and cfg.eval:

@@ -7,7 +7,13 @@
   (a diagonal factor is a vector either way);
 * DP-KFAC's preconditioned gradients are broadcast by the preconditioner (tag ``kfac.grad``);
 * each remote decomposition is broadcast from its owner, tagged ``kfac.eigen`` or
-  ``kfac.inverse``; all broadcasts are launched before any is waited on.
+  ``kfac.inverse``, to all ranks or (hybrid ``grad_worker_fraction``) within the layer's
+  gradient-worker group; all broadcasts are launched before any is waited on.
+
+The hybrid's groups (:meth:`FactorComm.grid_groups`) are created by every rank, in one order,
+in the constructor; a group of all ranks is K-FAC's own group and a group of one rank is
+never created (nothing travels in it), so the two ends of ``grad_worker_fraction`` create no
+group beyond today's.
 
 Every tensor handed to a collective lives on the factor's device (the parameters' device).
 K-FAC's traffic runs on its own process group, so it never interleaves with DDP's buckets
@@ -16,7 +22,7 @@ on the default group (collectives on one group must be issued in one order by ev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,7 +32,7 @@ from lowcomm.comm import accounting
 from lowcomm.optim.kfac.factors import pack, packed_numel, unpack
 from lowcomm.optim.kfac.fusion import Flight
 from lowcomm.optim.kfac.inverse import Decomposition, from_wire, to_wire, wire_numel
-from lowcomm.optim.kfac.placement import FactorKey
+from lowcomm.optim.kfac.placement import FactorKey, Grid
 
 
 class FactorComm:
@@ -46,6 +52,24 @@ class FactorComm:
             return cls(None, 1, 0, symmetric)
         group = dist.new_group(list(range(dist.get_world_size())))
         return cls(group, dist.get_world_size(), dist.get_rank(), symmetric)
+
+    def subgroup(self, ranks: Sequence[int]) -> Any:
+        """A process group of ``ranks`` (collective: every rank calls it for every group, in
+        one order). All ranks: K-FAC's own group; one rank: None (never used: nothing to send).
+        Created like K-FAC's own group (the default backend), so on CUDA it carries CUDA
+        tensors."""
+        if len(ranks) == self.world_size:
+            return self.group
+        if len(ranks) == 1:
+            return None
+        return dist.new_group(list(ranks))
+
+    def grid_groups(self, grid: Grid) -> tuple[list[Any], list[Any]]:
+        """The gradient-worker group of every column and the receiver group of every row of
+        ``grid`` (collective: columns first, then rows, in index order on every rank)."""
+        columns = [self.subgroup(grid.workers(c)) for c in range(grid.columns)]
+        rows = [self.subgroup(grid.receivers(r)) for r in range(grid.grad_workers)]
+        return columns, rows
 
     def start(self, flat: torch.Tensor, kind: str) -> Any:
         """Start the async all-reduce of a packed buffer; its work handle (None alone)."""
@@ -69,31 +93,37 @@ class FactorComm:
         return [unpack(f, n, self.symmetric, diagonal=d) / self.world_size
                 for f, (_, n, d) in zip(flats, stats)]
 
-    def share(self, mine: dict[FactorKey, Decomposition], remote: Sequence[FactorKey],
-              plan: dict[FactorKey, int | None], compute: str,
-              devices: dict[FactorKey, torch.device]) -> dict[FactorKey, Decomposition]:
-        """Broadcast each remote factor's decomposition from its owner; every rank gets all.
+    def share(self, mine: Mapping[FactorKey, Decomposition], remote: Sequence[FactorKey],
+              sources: Mapping[FactorKey, int | None], compute: str,
+              devices: Mapping[FactorKey, torch.device], group: Any = None,
+              whole: Collection[FactorKey] = ()) -> dict[FactorKey, Decomposition]:
+        """Broadcast each of ``remote``'s decompositions from its source; return them all.
 
-        ``mine`` holds the decompositions this rank owns; ``remote`` lists every remote factor
-        in one order shared by all ranks; ``devices`` gives each one's device. The owner uses the received form too (the upper
-        triangle mirrored), so all ranks apply bit-identical preconditioners.
+        ``mine`` holds the decompositions this rank sends; ``remote`` lists the factors in one
+        order shared by every rank of ``group`` (None: K-FAC's group of all ranks); ``sources``
+        gives each one's sending rank (a global rank), ``devices`` its device. The source uses
+        the received form too (the upper triangle mirrored), so all ranks apply bit-identical
+        preconditioners. Factors in ``whole`` are sent unpacked: their holder decomposed them
+        itself and never applied the packed form, so packing would change their bits.
         """
         tag = f"kfac.{compute}"
-        pending: list[tuple[FactorKey, torch.Tensor, Any]] = []
+        group = self.group if group is None else group
+        pending: list[tuple[FactorKey, torch.Tensor, Any, bool]] = []
         for key in remote:
-            owner = plan[key]
-            assert owner is not None
-            if owner == self.rank:
-                buf = to_wire(mine[key], compute, self.symmetric).contiguous()
+            source = sources[key]
+            assert source is not None
+            sym = self.symmetric and key not in whole
+            if source == self.rank:
+                buf = to_wire(mine[key], compute, sym).contiguous()
             else:
-                buf = torch.empty(wire_numel(key.dim, compute, self.symmetric, key.diagonal), dtype=torch.float32,
+                buf = torch.empty(wire_numel(key.dim, compute, sym, key.diagonal), dtype=torch.float32,
                                   device=devices[key])
-            work = accounting.broadcast(buf, owner, group=self.group, async_op=True, tag=tag)
-            pending.append((key, buf, work))
+            work = accounting.broadcast(buf, source, group=group, async_op=True, tag=tag)
+            pending.append((key, buf, work, sym))
         out: dict[FactorKey, Decomposition] = {}
-        for key, buf, work in pending:
+        for key, buf, work, sym in pending:
             work.wait()
-            out[key] = from_wire(buf, key.dim, compute, self.symmetric, key.diagonal)
+            out[key] = from_wire(buf, key.dim, compute, sym, key.diagonal)
         return out
 
 

@@ -12,7 +12,7 @@ Scaling (the convention kfac-pytorch/KAISA uses; the tests state it independentl
 rows after flattening and ``B`` the leading (batch) dimension of the output gradient,
 ``A = aᵀa / N`` and ``G = (B·g)ᵀ(B·g) / N`` (the loss is a mean over the batch, so ``B·g`` is
 the per-example gradient). A Conv2d's ``L`` spatial positions are rows too, with KAISA's
-``1/L`` on the patches and ``L`` on the output gradient.
+``1/L`` on the patches and ``L`` on the output gradient; a Conv1d is a Conv2d of height 1.
 """
 
 from __future__ import annotations
@@ -125,13 +125,21 @@ class Conv2dLayer(KFACLayer):
         """``in·kh·kw`` (+1 with a bias)."""
         return int(self.weight[0].numel()) + (self.bias is not None)
 
-    def a_stat(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """Patches via ``unfold`` (rows: batch x positions), each divided by ``L``."""
+    def _geometry(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """Kernel, dilation, padding and stride as the 2-D pairs ``unfold`` takes."""
         m = self.module
         assert isinstance(m, nn.Conv2d)
-        x = inputs[0].detach().to(torch.float32)
-        patches = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=m.padding,  # type: ignore[arg-type]
-                           stride=m.stride)  # (B, in·kh·kw, L)
+        return m.kernel_size, m.dilation, m.padding, m.stride  # type: ignore[return-value]
+
+    def _as_2d(self, t: torch.Tensor) -> torch.Tensor:
+        """The module's input or output gradient as ``(B, C, H, W)``."""
+        return t
+
+    def a_stat(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Patches via ``unfold`` (rows: batch x positions), each divided by ``L``."""
+        kernel, dilation, padding, stride = self._geometry()
+        x = self._as_2d(inputs[0].detach().to(torch.float32))
+        patches = F.unfold(x, kernel, dilation=dilation, padding=padding, stride=stride)  # (B, in·kh·kw, L)
         spatial = patches.shape[-1]
         a = patches.transpose(1, 2).reshape(-1, patches.shape[1])
         a = _homogeneous(a, self.bias is not None) / spatial
@@ -139,10 +147,31 @@ class Conv2dLayer(KFACLayer):
 
     def g_stat(self, grad_output: torch.Tensor) -> torch.Tensor:
         """Output gradient per position (rows: batch x positions), times ``B·L``."""
-        g = grad_output.detach().to(torch.float32)
+        g = self._as_2d(grad_output.detach().to(torch.float32))
         batch, spatial = g.shape[0], g.shape[2] * g.shape[3]
         g = g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) * (batch * spatial)
         return g.t() @ (g / g.shape[0])
+
+
+class Conv1dLayer(Conv2dLayer):
+    """``nn.Conv1d`` (groups 1, zero padding) as a Conv2d with kernel ``(1, k)`` on a height-1
+    input: the same patches, ``L`` and scaling, so one convention (and one tested code path)
+    serves both; the ``out x in x k`` weight flattens to ``out x in·k`` like ``out x in·kh·kw``.
+    An unbatched ``(C, L)`` input is one example, as ``nn.Conv1d`` treats it."""
+
+    def _geometry(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """``(1, k)`` and friends: the height axis is a single row, never padded or strided."""
+        m = self.module
+        assert isinstance(m, nn.Conv1d)
+        pad = m.padding
+        assert not isinstance(pad, str)  # refused by _why_not
+        return (1, m.kernel_size[0]), (1, m.dilation[0]), (0, pad[0]), (1, m.stride[0])
+
+    def _as_2d(self, t: torch.Tensor) -> torch.Tensor:
+        """``(B, C, L)`` (or unbatched ``(C, L)``) -> ``(B, C, 1, L)``."""
+        if t.dim() == 2:
+            t = t.unsqueeze(0)
+        return t.unsqueeze(2)
 
 
 class EmbeddingLayer(KFACLayer):
@@ -184,11 +213,12 @@ class EmbeddingLayer(KFACLayer):
 
 def _why_not(module: nn.Module) -> str | None:
     """Why a module of a supported type cannot be preconditioned, or None if it can."""
-    if isinstance(module, nn.Conv2d):
+    if isinstance(module, (nn.Conv1d, nn.Conv2d)):
+        kind = type(module).__name__
         if module.groups != 1:
-            return f"Conv2d with groups={module.groups} (only groups=1 is built)"
+            return f"{kind} with groups={module.groups} (only groups=1 is built)"
         if isinstance(module.padding, str) or module.padding_mode != "zeros":
-            return "Conv2d with string padding or a padding_mode other than 'zeros'"
+            return f"{kind} with string padding or a padding_mode other than 'zeros'"
     if isinstance(module, nn.Embedding) and module.sparse:
         return "Embedding with sparse=True (sparse gradients are not preconditioned)"
     return None
@@ -199,6 +229,8 @@ def _make(name: str, module: nn.Module) -> KFACLayer | None:
         return LinearLayer(name, module)
     if isinstance(module, nn.Conv2d):
         return Conv2dLayer(name, module)
+    if isinstance(module, nn.Conv1d):
+        return Conv1dLayer(name, module)
     if isinstance(module, nn.Embedding):
         return EmbeddingLayer(name, module)
     return None

@@ -96,13 +96,23 @@ def check_static(*, compute: Any, placement: Any, grad_worker_fraction: Any, pip
 
 
 def grad_workers(fraction: float, world_size: int) -> int:
-    """Ranks that precondition each layer: ``world_size`` (fraction 1: every rank receives
-    the decompositions) or 1 (fraction ``1/world_size``: DP-KFAC, the owner broadcasts the
-    preconditioned gradient). Hybrid counts in between are refused: not built yet."""
-    workers = max(1, round(fraction * world_size))
-    if workers not in (1, world_size):
+    """Gradient workers per layer, ``g = world_size * fraction`` (KAISA's rule).
+
+    ``g = world_size`` (fraction 1): every rank receives the decompositions ("COMM-OPT");
+    ``g = 1`` (fraction ``1/world_size``, or less: KAISA takes ``max(1, ...)``): the owner
+    broadcasts the preconditioned gradient ("MEM-OPT", DP-KFAC); in between, the hybrid on a
+    grid of ``world_size / g`` groups of ``g`` (:class:`~lowcomm.optim.kfac.placement.Grid`).
+    ``g`` must be a whole number that divides ``world_size`` (the grid has equal groups);
+    anything else is refused with the valid fractions for this world size.
+    """
+    exact = fraction * world_size
+    workers = max(1, round(exact))
+    whole = exact <= 1 or abs(exact - round(exact)) <= 1e-9 * world_size
+    if not whole or world_size % workers:
+        valid = ", ".join(f"{d}/{world_size} = {d / world_size:g}" for d in range(1, world_size + 1) if world_size % d == 0)
         raise UsageError(
-            f"grad_worker_fraction={fraction} gives {workers} gradient workers of {world_size} "
-            f"ranks; built: 1.0 (every rank) or 1/world_size = {1 / world_size:g} (DP-KFAC); "
-            "hybrid fractions in between are not built yet")
+            f"grad_worker_fraction={fraction} on {world_size} ranks gives {exact:g} gradient workers "
+            f"per layer; it must give a whole number that divides {world_size} (the ranks are split "
+            f"into equal groups of gradient workers); valid fractions on {world_size} ranks: {valid} "
+            f"(1/{world_size} or less: DP-KFAC, one worker per layer; 1: every rank)")
     return workers

@@ -70,6 +70,23 @@ class Pipeline:
                 self._plan()
         self.factor_steps += 1
 
+    def state_dict(self) -> dict[str, object]:
+        """Where the profiling stands and the plan, if made: a resumed run must send the
+        factors in the same groups (on 3+ ranks the grouping changes the ring's summation
+        order, so a re-profiled plan could change the last bits)."""
+        cost = None if self.cost is None else [self.cost.alpha, self.cost.beta]
+        return {"factor_steps": self.factor_steps, "groups": self.groups, "cost": cost}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`'s output (the plan, when one was made, is used as is)."""
+        self.factor_steps = int(state.get("factor_steps", 0))  # type: ignore[call-overload]
+        groups = state.get("groups")
+        cost = state.get("cost")
+        self.cost = CostModel(*cost) if isinstance(cost, (list, tuple)) else None
+        if isinstance(groups, dict):
+            plan = {str(kind): [[int(i) for i in g] for g in gs] for kind, gs in groups.items()}
+            self.fuser = Fuser(plan, self.comm.start)
+
     def _plan(self) -> None:
         assert self.profile is not None
         self.cost = self.fixed_cost or probe_cost(self.comm.group, self.device)

@@ -31,7 +31,7 @@ from lowcomm.optim.kfac.inverse import (Decomposition, decompose, from_wire, kl_
 from lowcomm.optim.kfac.layers import KFACLayer, discover
 from lowcomm.optim.kfac.options import Hyper, Schedule, check_static, grad_workers
 from lowcomm.optim.kfac.pipeline import Pipeline
-from lowcomm.optim.kfac.placement import FactorKey, assign, assign_layers
+from lowcomm.optim.kfac.placement import FactorKey, Grid, assign_grid
 
 
 def _unwrap(model: Any) -> nn.Module:
@@ -46,9 +46,12 @@ class KFAC:
     """Kronecker-factored preconditioner of ``p.grad`` (KAISA's API; SPD-KFAC's communication).
 
     The first six keyword arguments may be callables of the step (int -> value). Every rank
-    must construct it (it creates K-FAC's process group) and call ``step()``.
+    must construct it (it creates K-FAC's process groups) and call ``step()``.
+    ``grad_worker_fraction`` is KAISA's: ``world_size * fraction`` ranks precondition each
+    layer (1: every rank, decompositions travel; ``1/world_size``: DP-KFAC, gradients travel;
+    in between, both, within smaller groups: :class:`~lowcomm.optim.kfac.placement.Grid`).
     ``step()`` preconditions the gradients of the supported layers (``nn.Linear``,
-    ``nn.Conv2d``, ``nn.Embedding``, and so the factors of lowcomm's low-rank layers); other
+    ``nn.Conv2d``, ``nn.Conv1d``, ``nn.Embedding``, and so the factors of lowcomm's low-rank layers); other
     layers are left to the base optimizer, with a warning naming them when they own weights.
     See ``docs/kfac.md``.
     """
@@ -93,10 +96,16 @@ class KFAC:
             self._keys.append(FactorKey(i, "G", layer.g_dim))
         self._comm = FactorComm.create(symmetric_comm)
         world = self._comm.world_size
+        #: KAISA's layout for ``grad_worker_fraction``: each layer's gradient is preconditioned
+        #: by the ``grid.grad_workers`` ranks of one column (see :class:`Grid`)
+        self.grid = Grid(world, grad_workers(grad_worker_fraction, world))
         #: DP-KFAC (``grad_worker_fraction = 1/world_size``): one rank per layer decomposes its
         #: factors and broadcasts the preconditioned gradient, not the decompositions
-        self.dp = grad_workers(grad_worker_fraction, world) == 1 and world > 1
-        self.plan = (assign_layers if self.dp else assign)(self._keys, world, placement, local_inverse_below)
+        self.dp = self.grid.grad_workers == 1 and world > 1
+        #: owner rank of each factor (None: decomposed by each rank that needs it), and the
+        #: column of each layer (None: every rank preconditions it itself)
+        self.plan, self.columns = assign_grid(self._keys, self.grid, placement, local_inverse_below)
+        self._column_groups, self._row_groups = self._comm.grid_groups(self.grid)
         self._ready: set[int] = set()  # layers decomposed at least once (the same on every rank)
         sizes = {(k.kind, k.layer): packed_numel(k.dim, symmetric_comm, diagonal=k.diagonal) for k in self._keys}
         device = self.layers[0].weight.device if self.layers else torch.device("cpu")
@@ -244,9 +253,24 @@ class KFAC:
         st = self._factors[self.layers[key.layer].name]
         return st.a if key.kind == "A" else st.g
 
+    def _is_worker(self, layer: int) -> bool:
+        """Whether this rank preconditions ``layer``'s gradient itself (and so holds its
+        decompositions): every rank for a local layer, else the members of its column."""
+        column = self.columns[layer]
+        return column is None or self.grid.column(self._comm.rank) == column
+
+    def _source(self, layer: int) -> int | None:
+        """The rank whose preconditioned gradient of ``layer`` this rank applies (itself when
+        it is a worker), or None when every rank is a worker of it (nothing is broadcast)."""
+        column = self.columns[layer]
+        if column is None or self.grid.columns == 1:
+            return None
+        return self.grid.source(column, self._comm.rank)
+
     def _update_decompositions(self, k: int) -> None:
-        """Decompose local and owned factors, then broadcast the owned ones to all ranks
-        (DP-KFAC: owners keep theirs; the preconditioned gradient travels instead)."""
+        """Decompose local and owned factors, then broadcast the owned ones within their
+        layer's gradient-worker group (all ranks with fraction 1; DP-KFAC: a group of one,
+        the owner keeps its own; the preconditioned gradient travels instead)."""
         damping = self.hyper.at("damping", k)
         mine: dict[FactorKey, Decomposition] = {}
         for key in self._keys:
@@ -257,17 +281,19 @@ class KFAC:
                 self._ready.add(key.layer)  # both factors exist: every rank knows it
             owner = self.plan[key]
             if owner is None:
-                self._decs[key] = decompose(factor, self.compute, damping, key.diagonal)
+                if self._is_worker(key.layer):
+                    self._decs[key] = decompose(factor, self.compute, damping, key.diagonal)
             elif owner == self._comm.rank:
                 mine[key] = decompose(factor, self.compute, damping, key.diagonal)
-        if self.dp:  # the wire form, so a resumed run (decompositions gathered) is bit-exact
+        if self.grid.grad_workers == 1:  # the wire form, so a resumed run (decompositions gathered) is bit-exact
             sym = self._comm.symmetric
             self._decs.update({key: from_wire(to_wire(d, self.compute, sym), key.dim, self.compute, sym,
                                               key.diagonal) for key, d in mine.items()})
             return
-        remote = self._remote()
+        remote = [key for key in self._remote() if self._is_worker(key.layer)]
         if remote:
-            self._decs.update(self._comm.share(mine, remote, self.plan, self.compute, self._devices(remote)))
+            group = self._column_groups[self.grid.column(self._comm.rank)]
+            self._decs.update(self._comm.share(mine, remote, self.plan, self.compute, self._devices(remote), group))
 
     def _remote(self) -> list[FactorKey]:
         """Factors with an owner whose layer has been decomposed, in one order on all ranks."""
@@ -282,17 +308,18 @@ class KFAC:
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         targets: list[KFACLayer] = []
         works = []
+        row = self.grid.row(self._comm.rank)
         for i, layer in enumerate(self.layers):
             grad = layer.grad_matrix() if i in self._ready else None
             if grad is None:
                 continue
-            owner = self.plan[self._keys[2 * i]] if self.dp else None
-            if owner is None or owner == self._comm.rank:
+            source = self._source(i)
+            if source is None or source == self._comm.rank:
                 v = precondition(grad, self._decs[self._keys[2 * i]], self._decs[self._keys[2 * i + 1]], damping)
             else:
                 v = torch.empty(grad.shape, dtype=torch.float32, device=grad.device)
-            if owner is not None:  # DP-KFAC: the owner's preconditioned gradient, to all
-                works.append(accounting.broadcast(v, owner, group=self._comm.group, async_op=True,
+            if source is not None:  # a worker's preconditioned gradient, to its receiver group
+                works.append(accounting.broadcast(v, source, group=self._row_groups[row], async_op=True,
                                                   tag="kfac.grad"))
             pairs.append((v, grad))
             targets.append(layer)
@@ -307,14 +334,18 @@ class KFAC:
         """Step count, running factors and current decompositions: what an exact resume needs
         (the decompositions too, since they come from the factors of the last inverse step).
 
-        With DP-KFAC on several ranks each rank holds only its layers' decompositions, so this
-        call gathers them from their owners: it is then collective (every rank must call it).
+        With ``grad_worker_fraction < 1`` on several ranks each rank holds only the
+        decompositions of its column's layers, so this call gathers the others (from their
+        owner, or from the column's first rank for one each worker decomposed itself): it is
+        then collective (every rank must call it).
         """
         held = dict(self._decs)
-        if self.dp:
-            remote = self._remote()
-            mine = {key: held[key] for key in remote if self.plan[key] == self._comm.rank}
-            held.update(self._comm.share(mine, remote, self.plan, self.compute, self._devices(remote)))
+        if self.grid.grad_workers < self.grid.world_size:
+            keys = [key for key in self._keys if self.columns[key.layer] is not None and key.layer in self._ready]
+            sources = {key: self._holder(key) for key in keys}
+            whole = [key for key in keys if self.plan[key] is None]
+            mine = {key: held[key] for key in keys if sources[key] == self._comm.rank}
+            held.update(self._comm.share(mine, keys, sources, self.compute, self._devices(keys), whole=whole))
         decs = {f"{self.layers[key.layer].name}.{key.kind}": vars(dec).copy() for key, dec in held.items()}
         return {
             "steps": self.steps,
@@ -322,7 +353,17 @@ class KFAC:
             "factors": {layer.name: {"A": self._factors[layer.name].a, "G": self._factors[layer.name].g}
                         for layer in self.layers},
             "decompositions": decs,
+            "pipeline": self.pipeline_comm.state_dict(),
         }
+
+    def _holder(self, key: FactorKey) -> int:
+        """A rank that holds ``key``'s decomposition (of a layer with a column)."""
+        owner = self.plan[key]
+        if owner is not None:
+            return owner
+        column = self.columns[key.layer]
+        assert column is not None
+        return self.grid.workers(column)[0]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (tensors moved to each layer's device)."""
@@ -342,11 +383,13 @@ class KFAC:
         for key in self._keys:
             layer = self.layers[key.layer]
             saved = state["decompositions"].get(f"{layer.name}.{key.kind}")
-            if saved is not None and (not self.dp or self.plan[key] in (None, self._comm.rank)):
+            if saved is not None and self._is_worker(key.layer):
                 self._decs[key] = Decomposition(**{k: to(v, layer) for k, v in saved.items()})
         self._ready = {i for i, layer in enumerate(self.layers)
                        if all(f"{layer.name}.{kind}" in state["decompositions"] for kind in "AG")}
         self._collecting = (-1, False)
+        if "pipeline" in state:  # older checkpoints have none: the run profiles again
+            self.pipeline_comm.load_state_dict(state["pipeline"])
 
     def remove(self) -> None:
         """Detach the hooks (the model then trains without K-FAC's statistics)."""
