@@ -28,23 +28,37 @@ CFG_E: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
                           512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
 
 
+def _conv_indices(cfg: list[int | str]) -> list[int]:
+    """Positions of the convolutions in ``features`` (a pool is one module, a conv block three).
+
+    Computed from the configuration, not by building the layers: building them at import
+    would draw from torch's RNG, so the first model created in a process would get other
+    initial weights than the next ones with the same seed.
+    """
+    out: list[int] = []
+    position = 0
+    for v in cfg:
+        if v != "M":
+            out.append(position)
+        position += 1 if v == "M" else 3
+    return out
+
+
 def _make_features(cfg: list[int | str], in_channels: int) -> tuple[nn.Sequential, list[int]]:
     layers: list[nn.Module] = []
-    conv_indices: list[int] = []
     c = in_channels
     for v in cfg:
         if v == "M":
             layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
         else:
             assert isinstance(v, int)
-            conv_indices.append(len(layers))
             layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), nn.BatchNorm2d(v),
                        nn.ReLU(inplace=True)]
             c = v
-    return nn.Sequential(*layers), conv_indices
+    return nn.Sequential(*layers), _conv_indices(cfg)
 
 
-VGG19_CONV_INDICES: list[int] = _make_features(CFG_E, 3)[1]
+VGG19_CONV_INDICES: list[int] = _conv_indices(CFG_E)
 
 
 class VGG(nn.Module):

@@ -98,6 +98,10 @@ class Trainer:
         self.step_tx: list[int] = []
         self.log = RunLog(cfg.log, cfg.tensorboard, enabled=self.dist.is_main)
 
+        # seeded again right before the weights are drawn: whatever ran since the first seeding
+        # (a lazy import, a dataset, a method's set-up) cannot shift them, so every run with
+        # this seed starts from the same weights, the first in a process or the tenth
+        seed_everything(cfg.seed)
         raw = build_model(cfg, self.bundle)
         self.params_before = sum(p.numel() for p in raw.parameters())
         resume_state = self._load_resume_state()
