@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,8 +66,6 @@ def _python_info(python: str) -> dict[str, Any]:
     """torch and kfac-pytorch versions of the interpreter the rows run on."""
     code = ("import json, torch\ntry:\n import importlib.metadata as m; k = m.version('kfac_pytorch')\n"
             "except Exception: k = None\nprint(json.dumps({'torch': torch.__version__, 'kfac_pytorch': k}))")
-    import subprocess
-
     out = subprocess.run([python, "-c", code], capture_output=True, text=True)
     return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-300:]}
 

@@ -198,6 +198,21 @@ def test_dp_kfac_gives_the_every_rank_result_and_sends_gradients_not_decompositi
     assert "kfac.eigen" not in led
 
 
+def _train_mean_grad(net: nn.Module, opt: torch.optim.Optimizer, kfac: KFAC, steps: range) -> None:
+    """Train a bare (not DDP-wrapped) model, averaging its gradients over ranks as DDP would."""
+    for s in steps:
+        idx, y = _batch(s)
+        opt.zero_grad()
+        F.cross_entropy(net(idx), y).backward()
+        for p in net.parameters():
+            grad = p.grad
+            assert grad is not None
+            dist.all_reduce(grad)
+            grad /= dist.get_world_size()
+        kfac.step()
+        opt.step()
+
+
 def _dp_kfac(model: nn.Module) -> KFAC:
     return KFAC(model, factor_update_steps=1, inv_update_steps=2, damping=0.01, local_inverse_below=0,
                 compute="inverse", grad_worker_fraction=0.5)
@@ -205,26 +220,15 @@ def _dp_kfac(model: nn.Module) -> KFAC:
 
 @distributed(world_size=2)
 def test_dp_kfac_state_dict_is_gathered_and_resume_is_exact() -> None:
-    def train(net: nn.Module, opt: torch.optim.Optimizer, kfac: KFAC, steps: range) -> None:
-        for s in steps:
-            idx, y = _batch(s)
-            opt.zero_grad()
-            F.cross_entropy(net(idx), y).backward()
-            for p in net.parameters():  # the mean gradient, as DDP would leave it
-                dist.all_reduce(p.grad)
-                p.grad /= 2
-            kfac.step()
-            opt.step()
-
     torch.manual_seed(0)
     ref = Net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    train(ref, opt, _dp_kfac(ref), range(6))
+    _train_mean_grad(ref, opt, _dp_kfac(ref), range(6))
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     kfac = _dp_kfac(net)
-    train(net, opt, kfac, range(3))  # last inverse update at step 2
+    _train_mean_grad(net, opt, kfac, range(3))  # last inverse update at step 2
     state = kfac.state_dict()  # collective: every rank gets every decomposition
     assert len(state["decompositions"]) == 2 * len(kfac.layers)
     saved = (copy.deepcopy(net.state_dict()), copy.deepcopy(opt.state_dict()), copy.deepcopy(state))
@@ -235,6 +239,6 @@ def test_dp_kfac_state_dict_is_gathered_and_resume_is_exact() -> None:
     opt2.load_state_dict(saved[1])
     kfac2 = _dp_kfac(resumed)
     kfac2.load_state_dict(saved[2])
-    train(resumed, opt2, kfac2, range(3, 6))
+    _train_mean_grad(resumed, opt2, kfac2, range(3, 6))
     for (name, p), q in zip(ref.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name

@@ -23,8 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from test_kfac_distributed import Net, _batch, _run, _same_on_all_ranks
+from test_kfac_distributed import Net, _run, _same_on_all_ranks, _train_mean_grad
 from torch import nn
 
 from lowcomm.comm import accounting
@@ -191,31 +190,17 @@ def _hybrid_kfac(model: nn.Module) -> KFAC:
                 compute="inverse", grad_worker_fraction=0.5)
 
 
-def _train(net: nn.Module, opt: torch.optim.Optimizer, kfac: KFAC, steps: range) -> None:
-    for s in steps:
-        idx, y = _batch(s)
-        opt.zero_grad()
-        F.cross_entropy(net(idx), y).backward()
-        for p in net.parameters():  # the mean gradient, as DDP would leave it
-            grad = p.grad
-            assert grad is not None
-            dist.all_reduce(grad)
-            grad /= dist.get_world_size()
-        kfac.step()
-        opt.step()
-
-
 @distributed(world_size=4)
 def test_hybrid_state_dict_is_gathered_on_every_rank_and_resume_is_exact() -> None:
     torch.manual_seed(0)
     ref = Net()
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    _train(ref, opt, _hybrid_kfac(ref), range(6))
+    _train_mean_grad(ref, opt, _hybrid_kfac(ref), range(6))
     torch.manual_seed(0)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     kfac = _hybrid_kfac(net)
-    _train(net, opt, kfac, range(3))  # last inverse update at step 2
+    _train_mean_grad(net, opt, kfac, range(3))  # last inverse update at step 2
     state: dict[str, Any] = kfac.state_dict()  # collective: every rank gets every decomposition
     assert len(state["decompositions"]) == 2 * len(kfac.layers)
     for name, dec in sorted(state["decompositions"].items()):  # the same on every rank
@@ -231,6 +216,6 @@ def test_hybrid_state_dict_is_gathered_on_every_rank_and_resume_is_exact() -> No
     kfac2 = _hybrid_kfac(resumed)
     kfac2.load_state_dict(saved[2])
     assert set(kfac2._decs) == set(kfac._decs)  # it keeps its own column's, as the run did
-    _train(resumed, opt2, kfac2, range(3, 6))
+    _train_mean_grad(resumed, opt2, kfac2, range(3, 6))
     for (name, p), q in zip(ref.named_parameters(), resumed.parameters()):
         assert torch.equal(p, q), name
