@@ -36,3 +36,15 @@ def test_derive_without_ssgd_or_compute_reference_leaves_those_columns_empty() -
     run = {"method": "fp16", "iter_time_s_median": 1.0, "bytes_per_worker_per_iter": 10.0, "breakdown_s": {}}
     out = bounds.derive(run, batch_size=8, world_size=2, bits_per_s=1e6, compute_only_s=None, ssgd_iter_s=None)
     assert out["speedup_vs_ssgd"] is None and out["lower_bound_s"] is None
+
+
+def test_on_emulated_nodes_the_bound_uses_the_node_links_bytes() -> None:
+    from lowcomm.bench.bounds import derive
+
+    run = {"iter_time_s_median": 1.0, "bytes_per_worker_per_iter": 8e6, "inter_node_bytes_per_worker_per_iter": 2e6,
+           "breakdown_s": {}}
+    out = derive(run, batch_size=8, world_size=8, bits_per_s=1e9, compute_only_s=0.01, ssgd_iter_s=None,
+                 nproc_per_node=4)
+    assert out["wire_time_s"] == pytest.approx(4 * 2e6 * 8 / 1e9)  # G workers' inter bytes share the link
+    flat = derive(run, batch_size=8, world_size=8, bits_per_s=1e9, compute_only_s=0.01, ssgd_iter_s=None)
+    assert flat["wire_time_s"] == pytest.approx(8e6 * 8 / 1e9)

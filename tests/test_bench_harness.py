@@ -218,3 +218,64 @@ def test_compute_only_is_measured_before_and_after_and_the_faster_run_is_the_ref
     assert len(nocomm) == 1 and nocomm[0]["iter_time_s_median"] == 0.2 and nocomm[0]["nocomm_runs_s"] == [0.5, 0.2]
     assert [r["method"] for r in result["runs"]] == ["nocomm", "ssgd", "fp16"]
     assert all(r["compute_only_s"] == 0.2 for r in result["runs"])
+
+
+# --- emulated nodes ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("nproc", "nodes", "per_node", "expect"), [
+    (None, None, None, (4, None)), (6, None, None, (6, None)), (None, 2, 4, (8, 4)), (8, 2, 4, (8, 4)),
+    (None, None, 2, (4, 2)), (8, 4, None, (8, 2)), (6, None, 3, (6, 3))])
+def test_bench_layout_from_any_two_of_nproc_nodes_and_nproc_per_node(
+        nproc: int | None, nodes: int | None, per_node: int | None, expect: tuple[int, int | None]) -> None:
+    from lowcomm.bench.cli import node_layout
+
+    assert node_layout(nproc, nodes, per_node) == expect
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--nproc", "6", "--nodes", "2", "--nproc-per-node", "2"], "disagrees with --nodes 2 x --nproc-per-node 2"),
+    (["--nproc", "6", "--nodes", "4"], "--nodes 4 does not divide 6 workers; valid: 1, 2, 3, 6"),
+    (["--nodes", "2", "--nproc-per-node", "0"], "--nproc-per-node"),
+])
+def test_cli_refuses_a_node_layout_that_does_not_add_up(argv: list[str], message: str,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from lowcomm.cli import main
+
+    assert main(["bench", *argv, "--methods", "ssgd"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_node_layout_reaches_the_launcher_and_every_row(tmp_path: Path) -> None:
+    seen: list[Any] = []
+
+    def launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
+        seen.append((nproc, kw.get("nproc_per_node")))
+        code = fake_launcher(worker_args, nproc, **kw)
+        path = Path(worker_args[worker_args.index("--json") + 1])
+        if code == 0:
+            summary = json.loads(path.read_text())
+            path.write_text(json.dumps({**summary, "inter_node_bytes_per_worker_per_iter": summary[
+                "bytes_per_worker_per_iter"] / 2, "measured_tx_bytes_per_iter": 123.0}))
+        return code
+
+    cfg = harness.BenchConfig(methods=["ssgd"], nets=[netns.parse_net("none")], nproc=4, nproc_per_node=2,
+                              model="cnn1d", batch_size=16, work_dir=str(tmp_path), quiet=True, predict=False)
+    result = harness.run_bench(cfg, launcher=launcher)
+    assert set(seen) == {(4, 2)}
+    assert (result["nodes"], result["nproc_per_node"]) == (2, 2)
+    row = next(r for r in result["runs"] if r["method"] == "ssgd")
+    assert (row["nodes"], row["nproc_per_node"]) == (2, 2)
+    assert row["inter_node_bytes_per_worker_per_iter"] == pytest.approx(4e6)
+    # the node's interface is shared by its workers: its count is the node's, not a worker's
+    assert row["measured_node_tx_bytes_per_iter"] == 123.0 and "measured_tx_bytes_per_iter" not in row
+
+
+def test_without_a_node_layout_a_cluster_worker_is_its_own_node() -> None:
+    opts = runner.launch_options(None, 29500)
+    assert opts["nproc_per_node"] is None  # loopback: one node, as before nodes existed
+    for per_node in (2, None):  # clusters not brought up: the layout only
+        cluster = netns.Cluster(4, netns.parse_net("100mbit"), per_node or 1)
+        cluster.addresses = ["198.18.0.1", "198.18.0.2"]
+        assert runner.launch_options(cluster, 29500)["nproc_per_node"] == (per_node or 1)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,81 @@ def test_delay_needs_netem_or_is_refused_clearly() -> None:
     except UsageError as e:
         assert "netem" in str(e)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"lcb{os.getpid()}")]
+
+
+# --- emulated nodes: one namespace per node, its G workers inside it --------------------------
+
+
+def test_a_node_size_that_does_not_divide_the_world_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(UsageError, match="valid: 1, 2, 4"):
+        netns.Cluster(4, netns.parse_net("100mbit"), 3)
+
+
+@needs_netns
+def test_node_cluster_has_one_shaped_namespace_per_node_and_removes_them() -> None:
+    with netns.Cluster(4, netns.parse_net("100mbit"), nproc_per_node=2) as c:
+        names = list(c.namespaces)
+        assert c.nodes == 2 and len(names) == 2 and set(names) <= set(netns.list_namespaces())
+        assert c.addresses == ["198.18.0.1", "198.18.0.2"]
+        assert c.exec_prefix(0) == c.exec_prefix(1) == c.node_prefix(0) != c.exec_prefix(2) == c.exec_prefix(3)
+        assert [c.address_of(r) for r in range(4)] == ["198.18.0.1", "198.18.0.1", "198.18.0.2", "198.18.0.2"]
+        for k in range(2):  # the node's link is shaped both ways, its loopback is not
+            assert list(_tbf_rates(c.node_prefix(k), c.ifname).values()) == [100e6]
+            assert _tbf_rates(c.node_prefix(k), "lo") == {}
+        host_links = [link for link in netns.list_links() if link.startswith(f"lcb{os.getpid()}")]
+        assert len(host_links) == 3  # bridge + one veth per node
+    assert not set(names) & set(netns.list_namespaces())
+    assert not [link for link in netns.list_links() if link.startswith(f"lcb{os.getpid()}")]
+
+
+@needs_netns
+def test_node_cluster_is_removed_when_the_run_fails_inside_it() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with netns.Cluster(4, netns.parse_net("100mbit"), nproc_per_node=4) as c:
+            names = list(c.namespaces)
+            raise RuntimeError("boom")
+    assert not set(names) & set(netns.list_namespaces())
+
+
+# every rank: init gloo over the node cluster, all-reduce its rank, report its namespace and layout
+_NODE_WORKER = """
+import json, os, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.tensor([float(dist.get_rank())])
+dist.all_reduce(t)
+out = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+out.update(netns=os.stat("/proc/self/ns/net").st_ino, sum=t.item())
+open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w").write(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+@needs_netns
+@pytest.mark.timeout(300)
+def test_workers_of_a_node_share_its_namespace_and_torchruns_layout(tmp_path: Path) -> None:
+    from lowcomm.bench.runner import MASTER_PORT, launch_options
+    from lowcomm.runtime.launch import launch_workers
+
+    with netns.Cluster(4, netns.parse_net("1gbit"), nproc_per_node=2) as c:
+        code = launch_workers([str(tmp_path)], 4, command=[sys.executable, "-c", _NODE_WORKER],
+                              timeout_s=240, **launch_options(c, MASTER_PORT))
+    assert code == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["sum"] == 6.0 for r in ranks)  # gloo connected every pair, in and across nodes
+    assert ranks[0]["netns"] == ranks[1]["netns"] != ranks[2]["netns"] == ranks[3]["netns"]
+    assert os.stat("/proc/self/ns/net").st_ino not in {r["netns"] for r in ranks}
+    assert [(r["LOCAL_RANK"], r["LOCAL_WORLD_SIZE"], r["GROUP_RANK"]) for r in ranks] == [
+        ("0", "2", "0"), ("1", "2", "0"), ("0", "2", "1"), ("1", "2", "1")]
+
+
+@needs_netns
+def test_inside_a_node_traffic_stays_on_loopback_and_only_the_node_link_is_shaped() -> None:
+    """Functional, not a speed benchmark: at a 20 Mbit/s node link, two processes of one node
+    still get far more (loopback carries Gbit/s even on a loaded machine), while the probe
+    between nodes stays below twice the shaped rate (see the per-worker test's bound)."""
+    rate = 20e6
+    with netns.Cluster(4, netns.parse_net("20mbit"), nproc_per_node=2) as c:
+        between, inside = probe.probe_cluster(c, seconds=1.0, intra_seconds=0.5)
+    assert inside is not None
+    assert 0 < between.measured_bits_per_s < 2 * rate
+    assert inside.measured_bits_per_s > 5 * rate, inside

@@ -80,7 +80,7 @@ def test_cli_defaults_are_kfacs_own() -> None:
         ("kfac:grad_worker_fraction=0", ["grad_worker_fraction"]),
         ("kfac:pipeline=maybe", ["pipeline"]),
         ("kfac:local_inverse_below=-1", ["local_inverse_below"]),
-        ("kfac:base=lamb", ["base='lamb'", "sgd", "adamw"]),
+        ("kfac:base=adam", ["base='adam'", "sgd", "adamw", "lars", "lamb"]),
         ("kfac:lr=0.1", ["lr", "--lr"]),
         ("kfac:accumulation_steps=2", ["accumulation_steps", "one batch per optimizer step"]),
         ("kfac:damping", ["key=value"]),

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from lowcomm.runtime.launch import USAGE_EXIT, launch_workers
+from lowcomm.errors import UsageError
+from lowcomm.runtime.launch import USAGE_EXIT, launch_workers, node_env
 
 # Rank 1 dies; rank 0 blocks in an all-reduce that can never complete.
 _CRASHY = """
@@ -103,3 +104,30 @@ def test_bad_input_on_one_rank_only_is_reported_once_and_the_others_stopped(
 def test_timeout_stops_hung_workers() -> None:
     code = launch_workers([], 1, command=[sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1.0)
     assert code == 124
+
+
+# Each rank checks torchrun's node layout for nodes of argv[1] workers (contiguous ranks).
+_NODE_ECHO = """
+import os, sys
+g, rank = int(sys.argv[1]), int(os.environ["RANK"])
+ok = (os.environ["LOCAL_RANK"] == str(rank % g) and os.environ["LOCAL_WORLD_SIZE"] == str(g)
+      and os.environ["GROUP_RANK"] == str(rank // g) and os.environ["WORLD_SIZE"] == "4")
+sys.exit(0 if ok else 9)
+"""
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 4])
+def test_nproc_per_node_gives_each_rank_torchruns_local_rank_and_node(per_node: int) -> None:
+    assert launch_workers([str(per_node)], 4, nproc_per_node=per_node,
+                          command=[sys.executable, "-c", _NODE_ECHO]) == 0
+
+
+def test_without_nproc_per_node_all_ranks_are_on_one_node() -> None:
+    assert node_env(2, 3) == {"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3",
+                              "GROUP_RANK": "0"}
+
+
+@pytest.mark.parametrize("bad", [3, 0, -2])
+def test_nproc_per_node_that_does_not_divide_the_world_is_refused_naming_valid_sizes(bad: int) -> None:
+    with pytest.raises(UsageError, match=r"valid: 1, 2, 4"):
+        launch_workers([], 4, nproc_per_node=bad, command=[sys.executable, "-c", "pass"])

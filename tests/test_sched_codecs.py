@@ -41,6 +41,7 @@ SCHEDULES = {  # schedule -> its own options for this test (small groups, a regr
     "mgwfbp": "alpha=1.0,beta=0.0,profile_iters=1",
     "dear": "threshold_mb=0",
     "lee18": "",
+    "hier": "threshold_mb=0",  # 2 ranks are one node here: the flat fallback (4-rank tests: test_hierarchical.py)
 }
 OPTIONS = dict(HOOK_CASES)  # the hooks' small test options: compress from step 1
 
@@ -108,7 +109,9 @@ def test_impossible_pair_is_refused_with_its_reason(schedule: str, codec: str) -
 def test_every_schedule_carries_every_gathered_codec_and_the_known_refusals_stay() -> None:
     for schedule, codec in PAIRS:
         cls = codec_class(codec)
-        if cls.aggregation is Aggregation.GATHER or schedule in ("wfbp", "mgwfbp"):
+        if schedule == "hier":  # sums only: its point is the hierarchical all-reduce
+            assert ((schedule, codec) in WORKING) == (cls.aggregation is Aggregation.SUM)
+        elif cls.aggregation is Aggregation.GATHER or schedule in ("wfbp", "mgwfbp"):
             assert (schedule, codec) in WORKING
     assert ("dear", "powersgd") in REFUSED and ("lee18", "acpsgd") in REFUSED and ("lee18", "powersgd") in REFUSED
     assert ("dear", "fp16") in WORKING and ("dear", "acpsgd") in WORKING and ("lee18", "bf16") in WORKING

@@ -12,6 +12,13 @@ Momentum correction (Lin et al., DGC, 2018): with your own SGD at momentum ``mu`
 Durations (``start_iter="2ep"`` or ``"5%"``) need the run's length:
 ``steps_per_epoch=`` / ``total_steps=``.
 
+Multi-GPU nodes: ``hierarchical=True`` runs every all-reduce as an intra-node reduce-scatter,
+an inter-node all-reduce and an intra-node all-gather (``"hybrid"``: flat or hierarchical per
+bucket by the α-β model); the nodes come from ``gpus_per_node=`` or torchrun's
+``LOCAL_WORLD_SIZE`` (docs/hierarchical.md):
+
+>>> state = lowcomm.hooks.register(ddp_model, "fp16", hierarchical=True, gpus_per_node=8)
+
 Methods: ``ssgd`` and every compressor of :data:`lowcomm.compress.codec.CODECS` (see
 :func:`methods`, and docs/compression.md for options, byte formulas and the NaN policy).
 """
@@ -24,6 +31,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
+
+from lowcomm.compress.codec import Aggregation
 
 from lowcomm.comm.hooks import HOOKS, CodecHook, HookKind, run_hook
 from lowcomm.errors import UsageError
@@ -54,7 +63,9 @@ def hook_class(method: str) -> HookKind:
 
 
 def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGroup | None = None,
-             steps_per_epoch: int | None = None, total_steps: int | None = None, **options: Any) -> CodecHook:
+             steps_per_epoch: int | None = None, total_steps: int | None = None,
+             hierarchical: bool | str = False, gpus_per_node: int | None = None,
+             link_costs: Any = None, **options: Any) -> CodecHook:
     """Register ``method``'s comm hook on ``ddp_model``; return its state (checkpointable).
 
     ``method`` is a name or a ``name:key=value,...`` spec; keyword options win over the spec.
@@ -69,6 +80,13 @@ def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGr
     durations (``start_iter="2ep"`` needs ``steps_per_epoch``, ``"5%"`` needs ``total_steps``).
     Without them such an explicit value is a UsageError; a relative *default* falls back to
     a fixed number of steps (``start_iter``: 10).
+
+    ``hierarchical``: False (plain all-reduce), True or ``"hier"`` (every all-reduce
+    hierarchical), ``"hybrid"`` (per bucket, flat or hierarchical by the α-β model of
+    ``link_costs``, a :class:`lowcomm.comm.hierarchical.LinkCosts`; probed when None, which is
+    collective) or ``"flat"``. ``gpus_per_node``: workers per node (default: torchrun's
+    ``LOCAL_WORLD_SIZE``), for ``hierarchical`` and for codecs with node-scoped messages (hitopk). Codecs whose payloads are gathered (top-k, sign, ...) are refused:
+    there is no sum to run hierarchically (use the ``hitopk`` method).
     """
     if ":" in method:
         from lowcomm.methods.base import parse_options
@@ -78,8 +96,46 @@ def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGr
         options = {**dataclasses.asdict(parsed), **options}
     state = create(ddp_model, method, process_group=process_group, steps_per_epoch=steps_per_epoch,
                    total_steps=total_steps, **options)
+    if gpus_per_node is not None and process_group is None:
+        from lowcomm.comm.topology import Topology
+
+        state.use_topology(Topology.from_env(gpus_per_node))  # scoped codec messages (hitopk) too
+    if hierarchical is not False:
+        state.reducer = hierarchical_reducer(ddp_model, state, hierarchical, process_group=process_group,
+                                             gpus_per_node=gpus_per_node, link_costs=link_costs)
     ddp_model.register_comm_hook(state, run_hook)  # type: ignore[operator]
     return state
+
+
+def hierarchical_reducer(ddp_model: nn.Module, state: CodecHook, hierarchical: bool | str, *,
+                         process_group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
+                         link_costs: Any = None) -> Any:
+    """The :class:`~lowcomm.comm.hierarchical.HierarchicalReducer` for ``state`` (None when the
+    topology is one node or the mode is ``flat``: the plain all-reduce). Collective."""
+    from lowcomm.comm import accounting
+    from lowcomm.comm.hierarchical import MODES, HierarchicalReducer, probe_link_costs
+    from lowcomm.comm.topology import Topology
+
+    mode = "hier" if hierarchical is True else str(hierarchical).strip().lower()
+    if mode not in MODES:
+        raise UsageError(f"hierarchical={hierarchical!r}: valid: True, False, {', '.join(map(repr, MODES))}")
+    if state.codec is not None and state.codec.aggregation is not Aggregation.SUM:
+        raise UsageError(f"hierarchical=True cannot carry {state.name}: its payloads are gathered, not summed, "
+                         "so there is no all-reduce to run hierarchically; use method 'hitopk' or a summing "
+                         "codec (fp16, bf16, powersgd, ...)")
+    if process_group is not None:
+        raise UsageError("hierarchical=True needs the default (world) process group: the node groups are "
+                         "subgroups of the world")
+    if gpus_per_node is not None:
+        topo = Topology.from_env(gpus_per_node)
+    else:
+        topo = accounting.topology() or Topology.from_env()
+    if mode == "flat" or not topo.hierarchical:
+        return None
+    device = next(ddp_model.parameters()).device  # the probe's tensors: where the gradients are
+    if mode == "hybrid" and link_costs is None:
+        link_costs = probe_link_costs(topo, device=device, tag=f"{state.name}.probe")
+    return HierarchicalReducer(topo, mode=mode, costs=link_costs)
 
 
 def create(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGroup | None = None,

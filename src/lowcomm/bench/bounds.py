@@ -7,6 +7,11 @@ nothing) nor than pushing its bytes through the link at the measured bandwidth; 
 work cannot overlap either, so it adds on top::
 
     lower_bound = max(compute_only, wire_bytes * 8 / bandwidth) + compress
+
+On emulated nodes of G workers the shaped link is the node's, shared by its G workers, and
+what crosses it is G times the inter-node bytes one worker sends (the accounting ledger's
+``inter_node_bytes_per_worker_per_iter``); intra-node bytes stay on loopback. The wire term
+uses those bytes then.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def derive(
     bits_per_s: float | None,
     compute_only_s: float | None,
     ssgd_iter_s: float | None,
+    nproc_per_node: int = 1,
 ) -> dict[str, Any]:
     """Fill ``samples_per_s``, ``speedup_vs_ssgd``, ``wire_time_s``, ``lower_bound_s`` and
     ``bound_ratio`` (iteration time / lower bound, 1.0 = at the limit) of a successful run."""
@@ -46,6 +52,9 @@ def derive(
     compress = float((run.get("breakdown_s") or {}).get("compress", 0.0))
     out["compress_s"] = compress
     b = run.get("bytes_per_worker_per_iter")
+    inter = run.get("inter_node_bytes_per_worker_per_iter")
+    if nproc_per_node > 1:  # the node link carries its G workers' inter-node bytes (module docstring)
+        b = None if inter is None else inter * nproc_per_node
     if bits_per_s and b is not None:
         out["wire_time_s"] = wire_time_s(b, bits_per_s)
         if compute_only_s is not None:

@@ -5,6 +5,12 @@ Examples::
     lowcomm bench --nproc 4 --model resnet18 --methods ssgd,fp16,powersgd --net 100mbit --plot b.png
     lowcomm bench --nproc 4 --methods ssgd,powersgd --sweep-net 100mbit,1gbit,10gbit --json b.json
     lowcomm bench --nproc 4 --methods ssgd,powersgd --epochs 5        # time-to-accuracy, MNIST-1D
+    lowcomm bench --nodes 2 --nproc-per-node 4 --methods ssgd,hier --net 1gbit   # 2 nodes x 4 workers
+
+With ``--nodes N --nproc-per-node G`` the N*G workers run as N emulated nodes: the G workers
+of a node share one network namespace and talk over its loopback, and only the node's link is
+shaped to ``--net`` (:mod:`lowcomm.bench.netns`); the workers get torchrun's node layout
+(``LOCAL_WORLD_SIZE`` = G). Without them every worker is its own node.
 
 In time-to-accuracy mode (``--epochs``) every evaluation is kept in the JSON, and the table
 gives each method's training time to 99% of ssgd's final test accuracy and the speed-up to
@@ -42,9 +48,15 @@ def register(sub: Any) -> None:
         "bench",
         help="benchmark methods against each other on an emulated cluster",
         description="Run several methods one after another on the same model, data shape, batch "
-        "and network (one shaped network namespace per worker when root; loopback otherwise).",
+        "and network (one shaped network namespace per worker, or per node with --nodes/--nproc-per-node, "
+        "when root; loopback otherwise).",
     )
-    p.add_argument("--nproc", type=int, default=4, help="workers (default 4)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="workers (default 4, or nodes x nproc-per-node)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="emulated nodes, each with one shaped link (default: one per worker)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="workers per emulated node; they share its namespace and talk over loopback")
     p.add_argument("--model", default=None, help="model (default resnet18; cnn1d with --epochs)")
     p.add_argument("--data", default=None, help="dataset (default synthetic; mnist1d with --epochs)")
     p.add_argument("--input-shape", default="3,32,32", help="synthetic per-sample shape (default 3,32,32)")
@@ -91,6 +103,36 @@ def _check_kv(text: str) -> str:
     return text
 
 
+def node_layout(nproc: int | None, nodes: int | None, per_node: int | None) -> tuple[int, int | None]:
+    """``(workers, workers per node or None)`` from ``--nproc``, ``--nodes``, ``--nproc-per-node``.
+
+    Any two determine the third; all three must agree. None per node: the flags were not
+    used (one worker per emulated node, as before nodes existed).
+    """
+    from lowcomm.bench import netns
+    from lowcomm.errors import check_count
+
+    for flag, value in (("--nproc", nproc), ("--nodes", nodes), ("--nproc-per-node", per_node)):
+        if value is not None:
+            check_count(flag, value, maximum=netns.MAX_WORKERS)
+    if nodes is None and per_node is None:
+        return (4 if nproc is None else nproc), None
+    if nodes is not None and per_node is not None:
+        if nproc is not None and nproc != nodes * per_node:
+            raise UsageError(f"--nproc {nproc} disagrees with --nodes {nodes} x --nproc-per-node {per_node} "
+                             f"= {nodes * per_node}; give two of the three")
+        total = nodes * per_node
+        check_count("--nodes x --nproc-per-node", total, maximum=netns.MAX_WORKERS)
+        return total, per_node
+    total = 4 if nproc is None else nproc
+    given, name = (nodes, "--nodes") if nodes is not None else (per_node, "--nproc-per-node")
+    assert given is not None
+    if total % given:
+        valid = ", ".join(str(d) for d in range(1, total + 1) if total % d == 0)
+        raise UsageError(f"{name} {given} does not divide {total} workers; valid: {valid}")
+    return total, (total // given if nodes is not None else given)
+
+
 def build_config(args: argparse.Namespace) -> Any:
     """Validate everything that can be validated before a namespace or worker exists."""
     import os
@@ -99,7 +141,7 @@ def build_config(args: argparse.Namespace) -> Any:
     from lowcomm.errors import check_count, check_positive
     from lowcomm.runtime.config import MAX_THREADS
 
-    check_count("--nproc", args.nproc, maximum=netns.MAX_WORKERS)
+    nproc, per_node = node_layout(args.nproc, args.nodes, args.nproc_per_node)
     check_count("--iters", args.iters)
     check_count("--warmup", args.warmup, minimum=0)
     check_count("--batch-size", args.batch_size)
@@ -123,10 +165,10 @@ def build_config(args: argparse.Namespace) -> Any:
         models.MODELS.get(model)  # raises UsageError listing the valid names
     if data not in data_mod.names():
         data_mod.DATASETS.get(data)
-    harness.check_capacity(args.nproc, model)
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nproc)
+    harness.check_capacity(nproc, model)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // nproc)
     return harness.BenchConfig(
-        methods=methods, nets=nets, nproc=args.nproc, model=model, data=data,
+        methods=methods, nets=nets, nproc=nproc, nproc_per_node=per_node, model=model, data=data,
         input_shape=args.input_shape if data == "synthetic" else None, batch_size=args.batch_size,
         iters=args.iters, warmup=args.warmup, epochs=args.epochs, threads=threads,
         timeout_s=args.timeout, work_dir=args.work_dir, compute_only=not args.no_compute_only,

@@ -100,8 +100,10 @@ def run(
     timeout_s: float = 180.0,
     work_dir: str | Path | None = None,
     launcher: Callable[..., int] | None = None,
+    nproc_per_node: int | None = None,
 ) -> dict[str, Any]:
-    """Run the probe on ``nproc`` workers (in ``cluster``'s namespaces, or on loopback).
+    """Run the probe on ``nproc`` workers (in ``cluster``'s namespaces, or on loopback; nodes of
+    ``nproc_per_node`` workers, the cluster's by default).
 
     Returns the probe's JSON, or ``{"error": reason}`` if it did not complete.
     """
@@ -114,7 +116,7 @@ def run(
     args = ["--out", str(out), "--wire-bytes", str(wire), "--reps", str(reps), "--threads", str(threads)]
     kw: dict[str, Any] = {"timeout_s": timeout_s, "failure_grace_s": 5.0, "quiet": True,
                           "command": [sys.executable, "-m", "lowcomm.bench.collprobe"]}
-    kw.update(launch_options(cluster, PORT))
+    kw.update(launch_options(cluster, PORT, nproc_per_node=nproc_per_node))
     log = work / (out.stem + ".log")
     started = time.perf_counter()
     with redirect_fds(log):

@@ -2,7 +2,9 @@
 
 :func:`network` shapes the requested link with :class:`lowcomm.bench.netns.Cluster` (or falls
 back to loopback, saying why) and probes what it really delivers, because rows are only
-interpreted against the measured bandwidth, never the requested one.
+interpreted against the measured bandwidth, never the requested one. With nodes of several
+workers (``nproc_per_node`` > 1) it also measures what two processes of one node get from
+each other (``intra_node_bits_per_s``): the proof that only the node's link is shaped.
 """
 
 from __future__ import annotations
@@ -42,10 +44,13 @@ def machine() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def network(spec: NetSpec, nproc: int, log: Callable[[str], None]) -> Iterator[tuple[netns.Cluster | None, dict[str, Any]]]:
-    """Set up ``spec`` (or loopback), probe it, yield ``(cluster or None, network dict)``."""
+def network(spec: NetSpec, nproc: int, log: Callable[[str], None],
+            nproc_per_node: int = 1) -> Iterator[tuple[netns.Cluster | None, dict[str, Any]]]:
+    """Set up ``spec`` (or loopback) for ``nproc`` workers in nodes of ``nproc_per_node``,
+    probe it, yield ``(cluster or None, network dict)``."""
     info: dict[str, Any] = {"requested": spec.requested, "label": spec.label(), "emulated": False,
-                            "requested_bits_per_s": spec.rate_bits_per_s, "delay_ms": spec.delay_ms}
+                            "requested_bits_per_s": spec.rate_bits_per_s, "delay_ms": spec.delay_ms,
+                            "nodes": nproc // nproc_per_node, "nproc_per_node": nproc_per_node}
     if spec.loopback:
         info["note"] = "--net none: plain loopback"
         info.update(_probe_dict(probe.probe_loopback()))
@@ -58,7 +63,7 @@ def network(spec: NetSpec, nproc: int, log: Callable[[str], None]) -> Iterator[t
         info.update(_probe_dict(probe.probe_loopback()))
         yield None, info
         return
-    cluster = netns.Cluster(nproc, spec)
+    cluster = netns.Cluster(nproc, spec, nproc_per_node)
     try:
         cluster.up()
     except netns.NetnsUnavailable as e:
@@ -70,7 +75,12 @@ def network(spec: NetSpec, nproc: int, log: Callable[[str], None]) -> Iterator[t
     try:
         info["emulated"] = True
         info["namespaces"] = list(cluster.namespaces)
-        info.update(_probe_dict(probe.probe([cluster.exec_prefix(r) for r in range(nproc)], cluster.addresses)))
+        between, inside = probe.probe_cluster(cluster)
+        info.update(_probe_dict(between))
+        if inside is not None:
+            info["intra_node_bits_per_s"] = inside.measured_bits_per_s
+            info["intra_node_rtt_ms"] = inside.rtt_ms
+            log(f"  inside a node (loopback, not shaped): {netns.format_rate(inside.measured_bits_per_s)}")
         yield cluster, info
     finally:
         cluster.down()

@@ -113,7 +113,7 @@ def _profile(cfg: BenchConfig) -> Any:
 
 def _collectives(cfg: BenchConfig, cluster: netns.Cluster | None, bits_per_s: float | None, work: Path) -> dict[str, Any]:
     return collprobe.run(cfg.nproc, bits_per_s=bits_per_s, threads=cfg.threads or 1, cluster=cluster,
-                         work_dir=work)
+                         work_dir=work, nproc_per_node=cfg.nproc_per_node)
 
 
 def run_bench(
@@ -144,6 +144,8 @@ def run_bench(
         "data_label": (f"synthetic {cfg.input_shape} input" if cfg.data == "synthetic" else cfg.data),
         "input_shape": cfg.input_shape if cfg.data == "synthetic" else None,
         "world_size": cfg.nproc,
+        "nodes": cfg.nodes,
+        "nproc_per_node": cfg.nproc_per_node or 1,
         "batch_size": cfg.batch_size,
         "iters": cfg.iters,
         "warmup_iters": cfg.warmup,
@@ -180,7 +182,7 @@ def run_bench(
     for n_idx, spec in enumerate(cfg.nets):
         say(f"lowcomm bench: network {spec.label()}")
         try:
-            with network(spec, cfg.nproc, say) as (cluster, info):
+            with network(spec, cfg.nproc, say, cfg.nproc_per_node or 1) as (cluster, info):
                 result["networks"].append(info)
                 bw = info.get("measured_bits_per_s")
                 say(f"  link probe: {netns.format_rate(bw) if bw else '?'}, RTT {info.get('rtt_ms', 0):.3g} ms"
@@ -246,10 +248,12 @@ def run_bench(
                             r, batch_size=cfg.batch_size, world_size=cfg.nproc, bits_per_s=bw,
                             compute_only_s=compute_only,
                             ssgd_iter_s=ssgd["iter_time_s_median"] if ssgd else None,
+                            nproc_per_node=cfg.nproc_per_node or 1,
                         ))
                 if profile is not None:
                     try:
-                        info["prediction"] = prediction.add_predictions(rows, profile, info, workers=cfg.nproc)
+                        info["prediction"] = prediction.add_predictions(rows, profile, info, workers=cfg.nproc,
+                                                                        nproc_per_node=cfg.nproc_per_node or 1)
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:  # noqa: BLE001

@@ -1,4 +1,4 @@
-"""An emulated cluster on one machine: one network namespace per worker, shaped with ``tc``.
+"""An emulated cluster on one machine: one network namespace per node, shaped with ``tc``.
 
 Why namespaces: on loopback every worker shares one fast kernel path, so communication costs
 almost nothing and compression never pays off. With one namespace per worker, each with its
@@ -7,6 +7,15 @@ own veth to a shared bridge, and a token-bucket (``tbf``) shaper on *both* ends 
 a full-duplex link of the requested rate, as behind a real switch. An optional ``netem``
 delay is added on the namespace-side egress only, so the one-way latency between two workers
 is ``delay`` and the round trip about ``2 * delay``.
+
+**Nodes of several workers** (``nproc_per_node`` G > 1, ``lowcomm bench --nodes N
+--nproc-per-node G``): the namespace, its veth and its shapers belong to a *node*, and the G
+workers of that node all run inside it, as G GPUs share one host's NIC. They reach each other
+over the node's own address; the kernel routes traffic to a local address through the
+namespace's loopback device, which has no shaper, so intra-node traffic is as fast as the
+machine's memory copies and only what leaves the node crosses the shaped link
+(:func:`lowcomm.bench.probe.probe_intra_node` measures both). With G = 1 (the default) a
+node is one worker: the per-worker cluster of the earlier benchmarks, unchanged.
 
 Everything this module creates carries the prefix ``lcb`` plus the owning process id, so
 stale objects of a crashed run (its pid no longer alive) can be removed at start without
@@ -28,6 +37,7 @@ from types import FrameType, TracebackType
 from typing import Any, Callable
 
 from lowcomm.errors import UsageError
+from lowcomm.runtime.launch import node_layout
 
 PREFIX = "lcb"
 #: Interface name of each worker's veth end inside its namespace (gloo binds to it).
@@ -214,13 +224,17 @@ def _tbf(rate: float) -> list[str]:
 
 @dataclass
 class Cluster:
-    """``with Cluster(n, spec) as c:`` — ``n`` shaped namespaces; see the module docstring.
+    """``with Cluster(n, spec) as c:`` — ``n`` workers in ``n / nproc_per_node`` shaped
+    namespaces; see the module docstring.
 
-    ``c.namespaces[r]`` and ``c.addresses[r]`` are rank ``r``'s namespace and address.
+    ``c.namespaces[k]`` and ``c.addresses[k]`` are node ``k``'s namespace and address (with one
+    worker per node, rank ``k``'s); :meth:`exec_prefix` and :meth:`address_of` take a rank.
+    Ranks are placed like torchrun's: node ``rank // nproc_per_node``.
     """
 
     world_size: int
     spec: NetSpec
+    nproc_per_node: int = 1
     namespaces: list[str] = field(default_factory=list)
     addresses: list[str] = field(default_factory=list)
     bridge: str = ""
@@ -232,6 +246,20 @@ class Cluster:
             raise ValueError("Cluster needs a shaped NetSpec; `none` means plain loopback")
         if not 1 <= self.world_size <= MAX_WORKERS:
             raise UsageError(f"world size {self.world_size} does not fit the emulated subnet; valid: 1-{MAX_WORKERS}")
+        node_layout(self.world_size, self.nproc_per_node)  # G must divide the world
+
+    @property
+    def nodes(self) -> int:
+        """Emulated nodes (one namespace and one shaped link each)."""
+        return self.world_size // self.nproc_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node rank ``rank`` runs on (torchrun's contiguous layout)."""
+        return rank // self.nproc_per_node
+
+    def address_of(self, rank: int) -> str:
+        """The address rank ``rank`` is reached at: its node's."""
+        return self.addresses[self.node_of(rank)]
 
     @property
     def ifname(self) -> str:
@@ -239,8 +267,12 @@ class Cluster:
         return WORKER_IFNAME
 
     def exec_prefix(self, rank: int) -> list[str]:
-        """Command prefix that runs a program inside rank ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[rank]]
+        """Command prefix that runs a program inside rank ``rank``'s (node's) namespace."""
+        return self.node_prefix(self.node_of(rank))
+
+    def node_prefix(self, node: int) -> list[str]:
+        """Command prefix that runs a program inside node ``node``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[node]]
 
     # life cycle ----------------------------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -274,7 +306,7 @@ class Cluster:
         self._created.append(("link", self.bridge))
         _run(["ip", "link", "set", self.bridge, "up"])
         rate = float(self.spec.rate_bits_per_s or 0)
-        for r in range(self.world_size):
+        for r in range(self.nodes):
             ns, host_if, peer_if = f"{tag}-{r}", f"{tag}v{r}", f"{tag}p{r}"
             addr = f"{SUBNET}.{r + 1}"
             _run(["ip", "netns", "add", ns])

@@ -44,8 +44,14 @@ def measure(*, model: str, batch_size: int, input_shape: str | None, threads: in
         torch.set_num_threads(before)
 
 
-def network_model(info: dict[str, Any], workers: int) -> Any:
-    """The :class:`~lowcomm.sim.NetworkModel` of one bench network dict (probe results)."""
+def network_model(info: dict[str, Any], workers: int, nproc_per_node: int = 1) -> Any:
+    """The :class:`~lowcomm.sim.NetworkModel` of one bench network dict (probe results).
+
+    Emulated nodes of ``nproc_per_node`` > 1 workers give a two-level model: the probed node
+    link (with the collective calibration) between nodes, one NIC per node, and inside a node
+    the probed loopback (β from its bandwidth, α the calibrated all-reduce step: on gloo the
+    per-step cost is the library's, not the wire's)."""
+    from lowcomm.sim import Link, NetworkModel
     from lowcomm.sim.calibrate import network_from_probe
 
     bits = info.get("measured_bits_per_s") or info.get("requested_bits_per_s")
@@ -54,17 +60,25 @@ def network_model(info: dict[str, Any], workers: int) -> Any:
     coll = info.get("collectives")
     if coll and coll.get("error"):
         coll = None
-    return network_from_probe(bits_per_s=float(bits), rtt_s=(info.get("rtt_ms") or 0.0) / 1e3,
-                              workers=workers, collectives=coll, name=info.get("label"))
+    net = network_from_probe(bits_per_s=float(bits), rtt_s=(info.get("rtt_ms") or 0.0) / 1e3,
+                             workers=workers, collectives=coll, name=info.get("label"))
+    intra_bits = info.get("intra_node_bits_per_s")
+    if nproc_per_node > 1 and intra_bits and workers > nproc_per_node:
+        alpha = net.alpha_for("all_reduce") if coll else (info.get("intra_node_rtt_ms") or 0.0) / 2e3
+        intra = Link(alpha_s=alpha, beta_s_per_byte=8.0 / float(intra_bits))
+        net = NetworkModel.two_level(net.inter, intra, nproc_per_node, name=net.name,
+                                     collective_alpha=net.collective_alpha,
+                                     collective_beta_scale=net.collective_beta_scale)
+    return net
 
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
-                    workers: int) -> dict[str, Any]:
+                    workers: int, nproc_per_node: int = 1) -> dict[str, Any]:
     """Fill the prediction keys of every ok row in place; return what was used (for the JSON)."""
     from lowcomm.sim import predict_iteration_time
     from lowcomm.sim.calibrate import calibrate_compute
 
-    net = network_model(info, workers)
+    net = network_model(info, workers, nproc_per_node)
     used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None}
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
     prof = profile
@@ -91,6 +105,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
             continue
         r["predicted_iter_time_s"] = pred.iter_time_s
         r["predicted_bytes_per_worker_per_iter"] = pred.wire_bytes_per_worker
+        r["predicted_inter_node_bytes_per_worker_per_iter"] = pred.inter_node_bytes_per_worker
         r["predicted_breakdown_s"] = pred.breakdown_s
         meas = r.get("iter_time_s_median")
         r["prediction_error"] = (pred.iter_time_s - meas) / meas if meas else None

@@ -9,6 +9,11 @@ RTT is the median of small request/response exchanges on a ``TCP_NODELAY`` socke
 
 The server and client run as ``python -m lowcomm.bench.probe ...`` inside the namespaces
 (``ip netns exec``), or directly on loopback.
+
+On a cluster of nodes with several workers each, :func:`probe_cluster` measures the shaped
+link between nodes 0 and 1 and, inside node 0, two processes talking to the node's own
+address: what the node's workers get from each other. That second figure is the check that
+intra-node traffic stays on the namespace's loopback and is not shaped.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from lowcomm.runtime.launch import free_port
+
+if TYPE_CHECKING:
+    from lowcomm.bench.netns import Cluster
 
 CHUNK = 1 << 16
 
@@ -190,6 +198,19 @@ def probe_loopback(*, seconds: float = 0.5) -> ProbeResult:
     """The same measurement on 127.0.0.1 (for ``--net none`` and the fallback); each
     direction picks a free port (see :func:`measure_pair`)."""
     return probe([[]], ["127.0.0.1"], seconds=seconds)
+
+
+def probe_cluster(cluster: Cluster, *, seconds: float = 1.5,
+                  intra_seconds: float = 0.5) -> tuple[ProbeResult, ProbeResult | None]:
+    """``(between nodes, inside node 0)`` of an emulated cluster; the second is None with one
+    worker per node (no intra-node traffic to check)."""
+    nodes = range(min(cluster.nodes, 2))
+    between = probe([cluster.node_prefix(k) for k in nodes], [cluster.addresses[k] for k in nodes],
+                    seconds=seconds)
+    if cluster.nproc_per_node < 2:
+        return between, None
+    inside = [cluster.node_prefix(0)] * 2
+    return between, probe(inside, [cluster.addresses[0]] * 2, seconds=intra_seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

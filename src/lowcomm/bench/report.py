@@ -36,6 +36,8 @@ TTA_COLUMNS = (("test acc %", "final_test_accuracy"), ("train s", "_train_s"), (
 NOT_IN_TTA = ("samples_per_s", "speedup_vs_ssgd", "lower_bound_s", "bound_ratio")
 #: bytes the worker's emulated interface really transmitted (payload + TCP/IP headers)
 TX_COLUMN = ("MB sent (IP)", "measured_tx_bytes_per_iter")
+#: bytes one worker sent over inter-node links (emulated nodes of several workers)
+INTER_COLUMN = ("inter-node MB", "inter_node_bytes_per_worker_per_iter")
 #: the simulator's prediction and its error, after the measured time
 PREDICTION_COLUMNS = (("pred ms", "predicted_iter_time_s"), ("pred err", "prediction_error"))
 
@@ -49,6 +51,8 @@ def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     cols = list(COLUMNS)
     if any(r.get("measured_tx_bytes_per_iter") is not None for r in runs):
         cols.insert(cols.index(("MB/worker/iter", "bytes_per_worker_per_iter")) + 1, TX_COLUMN)
+    if (result.get("nproc_per_node") or 1) > 1 and any(r.get(INTER_COLUMN[1]) is not None for r in runs):
+        cols.insert(cols.index(("MB/worker/iter", "bytes_per_worker_per_iter")) + 1, INTER_COLUMN)
     if any(r.get("predicted_iter_time_s") is not None for r in runs):
         at = cols.index(("iter ms", "iter_time_s_median")) + 1
         cols[at:at] = PREDICTION_COLUMNS
@@ -78,7 +82,7 @@ def _fmt(key: str, run: dict[str, Any]) -> str:
         return "-"
     if key == "method":
         return str(v) + (" (compute only)" if v == "nocomm" else "")
-    if key in ("bytes_per_worker_per_iter", "measured_tx_bytes_per_iter"):
+    if key in ("bytes_per_worker_per_iter", "measured_tx_bytes_per_iter", "inter_node_bytes_per_worker_per_iter"):
         return f"{v / 1e6:.3g}"
     if key == "prediction_error":
         return f"{100 * v:+.0f}%"
@@ -111,9 +115,11 @@ def network_label(net: dict[str, Any]) -> str:
 def title(result: dict[str, Any], net: dict[str, Any] | None = None) -> str:
     """Table title: model, data, workers, batch and the network as measured."""
     net = net or result.get("network") or {}
+    g = result.get("nproc_per_node") or 1
+    workers = f"{result.get('world_size')} workers" + (f" ({result.get('nodes')} nodes x {g})" if g > 1 else "")
     return (
         f"{result.get('model')} ({result.get('data_label', result.get('data'))}), "
-        f"{result.get('world_size')} workers, batch {result.get('batch_size')}/worker — "
+        f"{workers}, batch {result.get('batch_size')}/worker — "
         f"{network_label(net) if net else ''}"
     )
 

@@ -8,6 +8,12 @@ line of its log (:func:`failure_reason`), so the other methods still run.
 Time-to-accuracy runs (``--epochs``) keep every evaluation of the run (``history``) and an
 ``accuracy_curve`` whose ``train_s`` is the training-only clock, summed from the workers'
 per-step log (evaluation left out; :mod:`lowcomm.bench.tta` measures time to accuracy on it).
+
+Emulated nodes (``nproc_per_node`` G): the launcher gives every worker torchrun's node layout
+(``LOCAL_WORLD_SIZE`` = G), so the methods see the same topology as on a real cluster, and each
+row records ``nodes``, ``nproc_per_node`` and ``inter_node_bytes_per_worker_per_iter`` (the
+accounting ledger's inter-node bytes). Without G, workers of an emulated cluster are one per
+node (each has its own shaped link) and on loopback they are all one node.
 """
 
 from __future__ import annotations
@@ -38,6 +44,9 @@ class BenchConfig:
     methods: list[str]
     nets: list[NetSpec]
     nproc: int = 4
+    #: workers per emulated node (``--nproc-per-node``); None: one worker per shaped namespace
+    #: (one node on loopback), the layout of the benchmarks before nodes existed
+    nproc_per_node: int | None = None
     model: str = "resnet18"
     data: str = "synthetic"
     input_shape: str | None = "3,32,32"
@@ -52,6 +61,11 @@ class BenchConfig:
     extra_train_args: list[str] = field(default_factory=list)
     quiet: bool = False
     predict: bool = True  # profile + collective probe + simulator prediction per row
+
+    @property
+    def nodes(self) -> int:
+        """Emulated nodes (``nproc`` with one worker per node when not given)."""
+        return self.nproc // (self.nproc_per_node or 1)
 
     @property
     def tta(self) -> bool:
@@ -173,17 +187,23 @@ def timing_spec(spec: str, cfg: BenchConfig) -> str:
 Launcher = Callable[..., int]
 
 
-def launch_options(cluster: netns.Cluster | None, master_port: int, *, measure_iface: bool = False) -> dict[str, Any]:
-    """The launcher's placement keywords: in ``cluster``'s namespaces (rank 0's address, a fixed
-    port, gloo bound to the namespace's interface), else on loopback. ``measure_iface``: the
-    workers also count the bytes that cross that interface (``LOWCOMM_MEASURE_IFACE``)."""
+def launch_options(cluster: netns.Cluster | None, master_port: int, *, measure_iface: bool = False,
+                   nproc_per_node: int | None = None) -> dict[str, Any]:
+    """The launcher's placement keywords: in ``cluster``'s namespaces (rank 0's node address, a
+    fixed port, gloo bound to the namespace's interface, each rank in its node's namespace),
+    else on loopback. ``measure_iface``: the workers also count the bytes that cross that
+    interface (``LOWCOMM_MEASURE_IFACE``). ``nproc_per_node`` (default: the cluster's) is the
+    node layout the workers are told (``LOCAL_WORLD_SIZE``)."""
+    if nproc_per_node is None and cluster is not None:
+        nproc_per_node = cluster.nproc_per_node
     if cluster is None:
-        return {"rank_env": lambda r: {"GLOO_SOCKET_IFNAME": "lo"}}
+        return {"rank_env": lambda r: {"GLOO_SOCKET_IFNAME": "lo"}, "nproc_per_node": nproc_per_node}
     env = {"GLOO_SOCKET_IFNAME": cluster.ifname}
     if measure_iface:
         env["LOWCOMM_MEASURE_IFACE"] = cluster.ifname
     return {"master_addr": cluster.addresses[0], "master_port": master_port,
-            "rank_prefix": cluster.exec_prefix, "rank_env": lambda r: env}
+            "rank_prefix": cluster.exec_prefix, "rank_env": lambda r: env,
+            "nproc_per_node": nproc_per_node}
 
 
 def run_method(
@@ -204,7 +224,8 @@ def run_method(
     json_path.unlink(missing_ok=True)
     steps_log_path(json_path).unlink(missing_ok=True)  # the trainer appends to its --log
     kw: dict[str, Any] = {"timeout_s": cfg.timeout_s, "failure_grace_s": 10.0,
-                          **launch_options(cluster, MASTER_PORT, measure_iface=True)}
+                          **launch_options(cluster, MASTER_PORT, measure_iface=True,
+                                           nproc_per_node=cfg.nproc_per_node)}
     started = time.perf_counter()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     with redirect_fds(log_path):
@@ -213,7 +234,8 @@ def run_method(
     if code == 130:  # the launcher caught Ctrl-C / SIGTERM and stopped the workers: stop the bench
         raise KeyboardInterrupt
     row: dict[str, Any] = {"method": method, "spec_run": run_spec, "wall_s": wall, "log": str(log_path),
-                           "load_avg_1m_before": load}
+                           "load_avg_1m_before": load, "nodes": cfg.nodes,
+                           "nproc_per_node": cfg.nproc_per_node or 1}
     if code != 0 or not json_path.exists():
         text = log_path.read_text(errors="replace") if log_path.exists() else ""
         row.update(status="failed", reason=failure_reason(text, code) if code else "no summary JSON written")
@@ -221,9 +243,14 @@ def run_method(
     summary = json.loads(json_path.read_text())
     row.update(status="ok")
     for key in ("iter_time_s_median", "bytes_per_worker_per_iter", "bytes_sent_per_worker", "breakdown_s",
-                "measured_tx_bytes_per_iter", "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic"):
+                "measured_tx_bytes_per_iter", "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic",
+                "inter_node_bytes_per_worker_per_iter"):
         if key in summary:
             row[key] = summary[key]
+    row.setdefault("inter_node_bytes_per_worker_per_iter", None)
+    if (cfg.nproc_per_node or 1) > 1 and row.get("measured_tx_bytes_per_iter") is not None:
+        # the node's interface is shared by its G workers: what rank 0 read is the node's traffic
+        row["measured_node_tx_bytes_per_iter"] = row.pop("measured_tx_bytes_per_iter")
     if cfg.tta:
         history = list(summary.get("history", []))
         row["history"] = history  # every per-epoch evaluation, as the trainer recorded it

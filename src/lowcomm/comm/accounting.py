@@ -17,15 +17,19 @@ Devices. Every wrapper first checks that the group has a backend for its tensors
 (:mod:`lowcomm.comm.backends`) and raises :class:`BackendDeviceError` naming the collective,
 the tag and the group's backends, before anything is counted. Point-to-point transfers of CUDA tensors on a gloo backend are staged through host memory, because
 gloo's send/recv read the tensor's data pointer as host memory.
+
+Link classes: each wrapper takes a keyword ``link`` (None: from the group and the topology)
+and the ledger splits every call's bytes into ``by_link`` ``"intra"`` / ``"inter"``: a
+collective on an intra-node group is intra, on an inter-node group inter; a flat collective
+over several nodes follows the ring model (``1/local_size`` of its wire bytes inter: the ring
+crosses each node boundary once, so a node's NIC carries what one worker sends); p2p goes by
+the peer's node; on one node everything is intra. The rules live in :mod:`lowcomm.comm.ledger`.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable, ParamSpec, Sequence, TypeVar
 
 import torch
@@ -37,80 +41,15 @@ from lowcomm.comm.backends import (
     device_backend,
     parse_backend_config,
 )
+from lowcomm.comm.ledger import Counter, Ledger, inter_share, ledger, set_topology, topology
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-@dataclass
-class Counter:
-    """Calls and bytes of one collective kind or one tag: a summary's traffic breakdown."""
-
-    calls: int = 0
-    payload_bytes: int = 0
-    wire_bytes: int = 0
-
-    def add(self, payload: int, wire: int) -> None:
-        """Count one call."""
-        self.calls += 1
-        self.payload_bytes += payload
-        self.wire_bytes += wire
-
-
-@dataclass
-class Ledger:
-    """Per-process tally of collective traffic, keyed by collective kind and by tag."""
-
-    by_collective: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
-    by_tag: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record(self, collective: str, tag: str, payload: int, wire: int) -> None:
-        """Count one call under its collective kind and its tag (thread-safe: DDP's comm hooks
-        and the engine's callbacks may record from another thread)."""
-        with self._lock:
-            self.by_collective[collective].add(payload, wire)
-            self.by_tag[tag].add(payload, wire)
-
-    @property
-    def wire_bytes(self) -> int:
-        """Bytes this worker sent: a summary's ``bytes_sent_per_worker``."""
-        return sum(c.wire_bytes for c in self.by_collective.values())
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes this worker handed to collectives (before the ring's factor)."""
-        return sum(c.payload_bytes for c in self.by_collective.values())
-
-    def reset(self) -> None:
-        """Forget every count: the trainer measures each phase (warm-up, timed steps) apart."""
-        with self._lock:
-            self.by_collective.clear()
-            self.by_tag.clear()
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain, JSON-ready totals (what run summaries and the distributed tests compare)."""
-        def dump(d: dict[str, Counter]) -> dict[str, dict[str, int]]:
-            return {k: vars(v).copy() for k, v in sorted(d.items())}
-
-        return {
-            "wire_bytes": self.wire_bytes,
-            "payload_bytes": self.payload_bytes,
-            "by_collective": dump(self.by_collective),
-            "by_tag": dump(self.by_tag),
-        }
-
-
-_LEDGER = Ledger()
-
 # torch >= 2.13 renamed the flat-tensor collectives; older releases only have the old names.
 _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def ledger() -> Ledger:
-    """The process-wide ledger."""
-    return _LEDGER
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -151,13 +90,16 @@ def wire_bytes(collective: str, payload: int, world_size: int, *, is_src: bool =
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def _record(collective: str, tag: str, payload: int, group: dist.ProcessGroup | None, *, is_src: bool = True) -> None:
+def _record(collective: str, tag: str, payload: int, group: dist.ProcessGroup | None, *, is_src: bool = True,
+            link: str | None = None, peer: int | None = None) -> None:
     p = _world(group)
-    _LEDGER.record(collective, tag, payload, wire_bytes(collective, payload, p, is_src=is_src))
+    wire = wire_bytes(collective, payload, p, is_src=is_src)
+    ledger().record(collective, tag, payload, wire, inter_share(collective, payload, wire, group, link, peer))
 
 
 def _counted(
-    kind: str, *, tensors: tuple[str, ...], payload: str | None = None, src: str | None = None
+    kind: str, *, tensors: tuple[str, ...], payload: str | None = None, src: str | None = None,
+    peer: str | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator for the wrappers below: the one place that checks and counts a collective.
 
@@ -166,7 +108,9 @@ def _counted(
     (:func:`_check`), then the bytes of the argument named ``payload`` are recorded under
     ``kind`` and the call's ``tag`` (nothing is recorded without ``payload``: receives). With
     ``src``, the argument of that name is the sending rank (broadcast: only the source sends).
-    Arguments are matched by name, so each wrapper keeps its own signature.
+    Arguments are matched by name, so each wrapper keeps its own signature. The keyword
+    ``link`` of every wrapper and the argument named ``peer`` (a point-to-point partner's
+    global rank) choose the link class (module docstring).
     """
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
@@ -184,7 +128,8 @@ def _counted(
                 checked.extend(value if isinstance(value, (list, tuple)) else [value])
             _check(kind, arg["tag"], arg["group"], checked)
             if payload is not None:
-                _record(kind, arg["tag"], _nbytes(arg[payload]), arg["group"], is_src=is_src)
+                _record(kind, arg["tag"], _nbytes(arg[payload]), arg["group"], is_src=is_src,
+                        link=arg["link"], peer=None if peer is None else arg[peer])
             return fn(*args, **kwargs)
 
         return counted
@@ -199,21 +144,21 @@ def _backend(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> str | Non
 
 @_counted("all_reduce", tensors=("tensor",), payload="tensor")
 def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None,
-               async_op: bool = False, *, tag: str = "all_reduce") -> Any:
+               async_op: bool = False, *, tag: str = "all_reduce", link: str | None = None) -> Any:
     """:func:`torch.distributed.all_reduce`, checked and counted under ``tag``."""
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 @_counted("all_gather", tensors=("output", "input"), payload="input")
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                           async_op: bool = False, *, tag: str = "all_gather") -> Any:
+                           async_op: bool = False, *, tag: str = "all_gather", link: str | None = None) -> Any:
     """All-gather into one flat tensor (torch's ``all_gather_single``), checked and counted."""
     return _ALL_GATHER_SINGLE(output, input, group=group, async_op=async_op)
 
 
 @_counted("all_gather", tensors=("input", "outputs"), payload="input")
 def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.ProcessGroup | None = None,
-               async_op: bool = False, *, tag: str = "all_gather") -> Any:
+               async_op: bool = False, *, tag: str = "all_gather", link: str | None = None) -> Any:
     """:func:`torch.distributed.all_gather` into a list, checked and counted under ``tag``."""
     return dist.all_gather(outputs, input, group=group, async_op=async_op)
 
@@ -221,7 +166,7 @@ def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.Pro
 @_counted("reduce_scatter", tensors=("output", "input"), payload="input")
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: Any = dist.ReduceOp.SUM,
                           group: dist.ProcessGroup | None = None, async_op: bool = False, *,
-                          tag: str = "reduce_scatter") -> Any:
+                          tag: str = "reduce_scatter", link: str | None = None) -> Any:
     """Reduce-scatter of one flat tensor, checked and counted; a sum on gloo runs as an
     all-to-all plus a local sum (:func:`_reduce_scatter_by_all_to_all`)."""
     if op == dist.ReduceOp.SUM and _backend(group, input) == "gloo":  # the backend of this tensor's device
@@ -268,14 +213,14 @@ def _reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, gro
 
 @_counted("broadcast", tensors=("tensor",), payload="tensor", src="src")
 def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, async_op: bool = False, *,
-              tag: str = "broadcast") -> Any:
+              tag: str = "broadcast", link: str | None = None) -> Any:
     """:func:`torch.distributed.broadcast`, checked and counted (bytes on the source only)."""
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
 
 
 @_counted("all_to_all", tensors=("output", "input"), payload="input")
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                      async_op: bool = False, *, tag: str = "all_to_all") -> Any:
+                      async_op: bool = False, *, tag: str = "all_to_all", link: str | None = None) -> Any:
     """:func:`torch.distributed.all_to_all_single` (equal splits), checked and counted."""
     return dist.all_to_all_single(output, input, group=group, async_op=async_op)
 
@@ -307,8 +252,8 @@ class _CopyBackWork:
         return self._done or bool(self._work.is_completed())
 
 
-@_counted("p2p", tensors=("tensor",), payload="tensor")
-def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, tag: str = "p2p") -> Any:
+@_counted("p2p", tensors=("tensor",), payload="tensor", peer="dst")
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, *, tag: str = "p2p", link: str | None = None) -> Any:
     """Point-to-point send (counted: wire bytes = payload bytes on the sender).
 
     Prefer :func:`batch_isend_irecv` when both partners send to each other: NCCL may
@@ -320,7 +265,7 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
 
 
 @_counted("p2p", tensors=("tensor",))
-def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *, tag: str = "p2p") -> Any:
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None, *, tag: str = "p2p", link: str | None = None) -> Any:
     """Point-to-point receive (not counted: the sender counts the bytes)."""
     if _stage_through_host(_backend(group, tensor), tensor):
         staged = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
@@ -328,7 +273,7 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     return dist.irecv(tensor, src=src, group=group)
 
 
-def batch_isend_irecv(ops: Sequence[dist.P2POp], *, tag: str = "p2p") -> list[Any]:
+def batch_isend_irecv(ops: Sequence[dist.P2POp], *, tag: str = "p2p", link: str | None = None) -> list[Any]:
     """:func:`torch.distributed.batch_isend_irecv`, counted like :func:`isend` / :func:`irecv`.
 
     Sends count their payload on the sender, receives count nothing. On NCCL the batch is one
@@ -356,7 +301,7 @@ def batch_isend_irecv(ops: Sequence[dist.P2POp], *, tag: str = "p2p") -> list[An
         run_ops = ops
     for op in ops:
         if op.op is dist.isend:
-            _record("p2p", tag, _nbytes(op.tensor), op.group)
+            _record("p2p", tag, _nbytes(op.tensor), op.group, link=link, peer=op.peer)
     works: list[Any] = list(dist.batch_isend_irecv(run_ops))
     for i, host in staged:
         works[i] = _CopyBackWork(works[i], host, ops[i].tensor)
@@ -380,5 +325,7 @@ __all__ = [
     "ledger",
     "parse_backend_config",
     "reduce_scatter_tensor",
+    "set_topology",
+    "topology",
     "wire_bytes",
 ]

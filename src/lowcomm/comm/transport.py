@@ -8,6 +8,16 @@ asynchronously). Every collective goes through :mod:`lowcomm.comm.accounting`, s
 counted where they are sent, under the tag ``<tag>.<message name>``.
 
 Without an initialized process group (one process), the collectives are identities.
+
+Scopes. A message's ``scope`` (``world``, ``intra``, ``inter``) picks the process group its
+collective runs on, from the ``topology`` the caller passes (:mod:`lowcomm.comm.topology`;
+the scoped groups are subgroups of the world, so the caller's ``group`` must then be the
+world group). Without a hierarchical topology every scope runs on ``group`` (flat fallback).
+The accounting layer counts a scoped collective under its link class.
+
+Reducer. ``reducer`` (the ``hier`` schedule and ``lowcomm.hooks.register(...,
+hierarchical=True)``; :class:`lowcomm.comm.hierarchical.HierarchicalReducer`) sums every
+world-scope ``all_reduce`` message instead of the plain all-reduce, non-final ones included.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import accounting
+from lowcomm.comm.topology import Topology, node_groups
 from lowcomm.compress.codec import Codec, Message
 
 Future = torch.futures.Future
@@ -57,25 +68,55 @@ class Pending:
         return fut
 
 
-def start(msg: Message, *, group: dist.ProcessGroup | None = None, tag: str, async_op: bool = True) -> Pending:
-    """Issue ``msg``'s collective (see :class:`~lowcomm.compress.codec.Message`)."""
+def scope_group(scope: str, group: dist.ProcessGroup | None,
+                topology: Topology | None) -> tuple[dist.ProcessGroup | None, str | None]:
+    """The process group and accounting link of a message ``scope`` (see module docstring)."""
+    if scope == "world" or topology is None or not topology.hierarchical:
+        return group, None
+    if group is not None and dist.get_world_size(group) != topology.world:
+        raise ValueError(f"a {scope!r} message needs the world group; got a group of "
+                         f"{dist.get_world_size(group)} of {topology.world} workers")
+    return node_groups(topology).of(scope), scope
+
+
+def start(msg: Message, *, group: dist.ProcessGroup | None = None, tag: str, async_op: bool = True,
+          topology: Topology | None = None, reducer: Any = None) -> Pending:
+    """Issue ``msg``'s collective (see :class:`~lowcomm.compress.codec.Message`) on the group
+    of its scope (``topology``, ``reducer``: see module docstring)."""
     t = message_tag(tag, msg)
+    link: str | None = None
+    if reducer is not None and msg.collective == "all_reduce" and msg.scope == "world" and _distributed(group):
+        work = reducer.start(msg.buf, tag=t)
+        if not async_op:
+            work.wait()
+            return Pending(msg.buf)
+        return Pending(msg.buf, work)
+    if msg.collective != "none" and _distributed(group):
+        group, link = scope_group(msg.scope, group, topology)
     if msg.collective == "none" or not _distributed(group):
         if msg.collective == "all_gather":
             return Pending(msg.buf.reshape(1, -1))
-        return Pending(msg.buf)
+        return Pending(msg.buf)  # a reduce-scatter over one worker: the whole buffer is its chunk
     if msg.collective == "all_reduce":
-        work = accounting.all_reduce(msg.buf, group=group, async_op=async_op, tag=t)
+        work = accounting.all_reduce(msg.buf, group=group, async_op=async_op, tag=t, link=link)
         return Pending(msg.buf, work)
     if msg.collective == "all_gather":
         world = dist.get_world_size(group)
         recv = msg.buf.new_empty(world * msg.buf.numel())
-        work = accounting.all_gather_into_tensor(recv, msg.buf, group=group, async_op=async_op, tag=t)
+        work = accounting.all_gather_into_tensor(recv, msg.buf, group=group, async_op=async_op, tag=t, link=link)
         return Pending(recv.view(world, -1), work)
-    return _exchange(msg, group, t)
+    if msg.collective == "reduce_scatter":
+        world = dist.get_world_size(group)
+        if msg.buf.numel() % world:
+            raise ValueError(f"reduce_scatter message {t!r}: {msg.buf.numel()} elements are not divisible "
+                             f"by the group size {world} (encode with pad_to)")
+        recv = msg.buf.new_empty(msg.buf.numel() // world)
+        work = accounting.reduce_scatter_tensor(recv, msg.buf, group=group, async_op=async_op, tag=t, link=link)
+        return Pending(recv, work)
+    return _exchange(msg, group, t, link)
 
 
-def _exchange(msg: Message, group: dist.ProcessGroup | None, tag: str) -> Pending:
+def _exchange(msg: Message, group: dist.ProcessGroup | None, tag: str, link: str | None = None) -> Pending:
     """``p2p``: send to and/or receive from ``msg.peer`` in one batch (NCCL needs the batch:
     two partners that both send first can deadlock on large unbatched messages)."""
     if msg.peer is None:
@@ -87,14 +128,15 @@ def _exchange(msg: Message, group: dist.ProcessGroup | None, tag: str) -> Pendin
         ops.append(dist.P2POp(dist.isend, msg.buf, peer, group))
     if msg.recv:
         ops.append(dist.P2POp(dist.irecv, recv, peer, group))
-    for w in accounting.batch_isend_irecv(ops, tag=tag):
+    for w in accounting.batch_isend_irecv(ops, tag=tag, link=link):
         w.wait()
     return Pending(recv)
 
 
-def run_rounds(codec: Codec, msg: Message, *, group: dist.ProcessGroup | None = None, tag: str) -> Message:
+def run_rounds(codec: Codec, msg: Message, *, group: dist.ProcessGroup | None = None, tag: str,
+               topology: Topology | None = None, reducer: Any = None) -> Message:
     """Complete every non-final message synchronously; return the final one (not started)."""
     while not msg.final:
-        received = start(msg, group=group, tag=tag, async_op=False).wait()
+        received = start(msg, group=group, tag=tag, async_op=False, topology=topology, reducer=reducer).wait()
         msg = codec.advance(msg, received)
     return msg

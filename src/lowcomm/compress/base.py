@@ -76,3 +76,18 @@ def unpack_payload(buf: torch.Tensor, spec: PayloadSpec) -> list[torch.Tensor]:
     if offset != buf.numel():
         raise ValueError(f"payload has {buf.numel()} bytes, spec describes {offset}")
     return out
+
+
+def pack(parts: Sequence[torch.Tensor], finite: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
+    """Poison the floating parts when ``finite`` is False, then pack all parts into one uint8
+    tensor (one all-gather per buffer); returns it with the spec :func:`unpack` needs."""
+    from lowcomm.compress.feedback import poison_  # feedback imports this module
+
+    for t in parts:
+        poison_(t, finite)
+    return pack_payload(parts), payload_spec(parts)
+
+
+def unpack(rows: torch.Tensor, spec: Sequence[tuple[torch.dtype, int]]) -> list[list[torch.Tensor]]:
+    """Each worker's parts from the ``(world, nbytes)`` rows an all-gather received."""
+    return [unpack_payload(row, list(spec)) for row in rows]

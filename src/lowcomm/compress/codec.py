@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lowcomm.compress.base import pack as pack, unpack as unpack  # codecs import them from here
 from lowcomm.compress.feedback import Velocity
 from lowcomm.compress.options import is_relative, parse_duration, resolve_duration
 from lowcomm.errors import UsageError, check_count
@@ -70,7 +71,11 @@ class Aggregation(str, Enum):
 
 
 #: collectives a :class:`Message` may ask for (``none``: nothing to send, decode locally)
-COLLECTIVES = ("all_reduce", "all_gather", "p2p", "none")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "p2p", "none")
+
+#: process groups a :class:`Message` or :class:`Round` may run on (:mod:`lowcomm.comm.topology`):
+#: all workers, the workers of this node, or the same-local-rank workers of every node
+SCOPES = ("world", "intra", "inter")
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,14 @@ class Message:
     process group) or ``none``. ``final=False``: the transport completes this message before
     the backward pass continues and hands what it received to :meth:`Codec.advance`.
     ``numel``: the meaningful length of ``buf`` (a transport may pad ``buf`` after it).
+
+    ``reduce_scatter``: ``buf`` is this worker's full input (``numel`` divisible by the group's
+    size n); the worker receives the summed chunk ``i`` of n equal chunks, ``i`` its rank in
+    the group. ``scope``: the process group the collective runs on, ``world``, ``intra`` (this
+    node's workers) or ``inter`` (this worker's same-local-rank peers on the other nodes),
+    which lets a codec build hierarchical schedules. Without a hierarchical topology a scoped
+    message runs on the world group (flat fallback: a codec works on one node unchanged). A
+    scoped ``p2p`` message's ``peer`` is a rank of the scoped group.
     """
 
     buf: torch.Tensor
@@ -124,10 +137,13 @@ class Message:
     recv: bool = True
     ctx: Any = None
     numel: int = -1
+    scope: str = "world"
 
     def __post_init__(self) -> None:
         if self.collective not in COLLECTIVES:
             raise ValueError(f"unknown collective {self.collective!r}; valid: {', '.join(COLLECTIVES)}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"unknown scope {self.scope!r}; valid: {', '.join(SCOPES)}")
         if self.numel < 0:
             self.numel = self.buf.numel()
 
@@ -167,6 +183,9 @@ class Round:
     #: bytes received in a ``p2p`` round, for timing (None: ``nbytes``); a receive-only
     #: round sends nothing but still waits for the peer's payload
     recv_nbytes: int | None = None
+    #: the process group of the collective (``world``, ``intra``, ``inter``; see
+    #: :class:`Message`): byte counts and timing use that group's size and link
+    scope: str = "world"
 
 
 @dataclass
@@ -375,21 +394,3 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
 def codec_class(name: str) -> type[Codec]:
     """The codec class registered as ``name`` (UsageError listing valid names otherwise)."""
     return CODECS.get(name)  # type: ignore[return-value]
-
-
-def pack(parts: Sequence[torch.Tensor], finite: torch.Tensor) -> tuple[torch.Tensor, list[tuple[torch.dtype, int]]]:
-    """Poison the floating parts when ``finite`` is False, then pack all parts into one uint8
-    tensor (one all-gather per buffer); returns it with the spec :func:`unpack` needs."""
-    from lowcomm.compress.base import pack_payload, payload_spec
-    from lowcomm.compress.feedback import poison_
-
-    for t in parts:
-        poison_(t, finite)
-    return pack_payload(parts), payload_spec(parts)
-
-
-def unpack(rows: torch.Tensor, spec: Sequence[tuple[torch.dtype, int]]) -> list[list[torch.Tensor]]:
-    """Each worker's parts from the ``(world, nbytes)`` rows an all-gather received."""
-    from lowcomm.compress.base import unpack_payload
-
-    return [unpack_payload(row, list(spec)) for row in rows]

@@ -31,6 +31,9 @@ CIFAR100_STD = (0.2673, 0.2564, 0.2762)
 class NormalizedImages(Dataset):
     """uint8 images ``(N, C, H, W)`` + labels; yields ``((x/255 - mean)/std, label)``."""
 
+    #: nothing to decode: the sample cache (``--data-cache``) leaves it alone
+    held_in_memory = True
+
     def __init__(self, images: Tensor, labels: Tensor, *, mean: Sequence[float],
                  std: Sequence[float]) -> None:
         if images.dtype != torch.uint8:

@@ -45,7 +45,12 @@ def _scan(split_dir: Path, classes: dict[str, int] | None) -> tuple[list[tuple[P
 
 
 class ImageFiles(Dataset):
-    """Lazily decoded, resized, center-cropped, normalized images ``(3, S, S)``."""
+    """Lazily decoded, resized, center-cropped, normalized images ``(3, S, S)``.
+
+    ``__getitem__`` is ``assemble(*decode(i))``: ``decode`` (Pillow: read, resize, crop, to
+    uint8 ``(S, S, 3)``) is the costly part a sample cache keeps (:mod:`.sample_cache`),
+    ``assemble`` (to float, normalize) runs after it, so a cached sample is bit-identical.
+    """
 
     def __init__(self, samples: list[tuple[Path, int]], *, image_size: int) -> None:
         self.samples = samples
@@ -57,6 +62,10 @@ class ImageFiles(Dataset):
         return len(self.samples)
 
     def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.assemble(*self.decode(i))
+
+    def decode(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Image ``i`` as uint8 ``(S, S, 3)`` pixels (resized, center-cropped) and its label."""
         from PIL import Image
 
         path, label = self.samples[i]
@@ -72,8 +81,21 @@ class ImageFiles(Dataset):
             left, top = (w - s) // 2, (h - s) // 2
             img = img.crop((left, top, left + s, top + s))
             arr = np.asarray(img, dtype=np.uint8).copy()
-        x = torch.from_numpy(arr).permute(2, 0, 1).float().div_(255.0)
-        return (x - self._mean) / self._std, torch.tensor(label, dtype=torch.int64)
+        return arr, np.asarray(label, dtype=np.int64)
+
+    def assemble(self, pixels: np.ndarray, label: np.ndarray) -> tuple[Tensor, Tensor]:
+        """The normalized float sample ``(3, S, S)`` and int64 label of decoded pixels."""
+        x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div_(255.0)
+        return (x - self._mean) / self._std, torch.tensor(int(label), dtype=torch.int64)
+
+    def cache_fingerprint(self) -> list[object]:
+        """What a disk cache entry depends on: the crop size and every file's path, label,
+        size and modification time (an edited or replaced image is decoded again)."""
+        files: list[object] = [self.image_size]
+        for path, label in self.samples:
+            st = path.stat()
+            files.append((str(path.absolute()), label, st.st_size, st.st_mtime_ns))
+        return files
 
 
 @register_dataset("imagefolder")

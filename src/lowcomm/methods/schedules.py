@@ -73,14 +73,9 @@ class EngineMethod(Method):
             if self.codec is not None:  # re-wrap: keep memory, factors and the step count
                 codec.load_state_dict(self.codec.state_dict())
         self.codec = codec
-        self.engine = Engine(
-            model,
-            mode=self.mode,
-            process_group=ctx.process_group,
-            tag=self.name,
-            broadcast_buffers=self.options.broadcast_buffers,
-            codec=codec,
-        )
+        self.engine = Engine(model, mode=self.mode, process_group=ctx.process_group, tag=self.name,
+                             broadcast_buffers=self.options.broadcast_buffers, codec=codec,
+                             reducer=self.make_reducer(model, ctx))
         self.engine.attach_scaler(self.scaler)
         self.setup(self.engine)
         if self._pending_state is not None:
@@ -92,6 +87,9 @@ class EngineMethod(Method):
 
     def setup(self, engine: Engine) -> None:
         """Hook for subclasses: initial grouping, probes, tuners."""
+
+    def make_reducer(self, model: nn.Module, ctx: MethodContext) -> Any:
+        """Hook for subclasses: what sums the groups instead of the plain all-reduce (None: that)."""
 
     def _need(self) -> Engine:
         """The engine (after :meth:`wrap`)."""

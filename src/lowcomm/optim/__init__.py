@@ -5,7 +5,8 @@ name is used):
 
 * optimizers built from the training config (:func:`build_optimizer`, :func:`param_groups`)
   and the settings a method may ask for (:func:`apply_method_overrides`);
-* per-step LR schedules (:func:`lr_factor`, :func:`build_scheduler`) and a method's
+* per-step LR schedules (:func:`lr_factor`, :func:`build_scheduler`: constant, step,
+  multistep, cosine, poly, each after an optional linear warm-up) and a method's
   temporary LR ramp (:class:`Rewarmup`, Pufferfish's re-warm-up after its switch);
 * gradient regularizers applied before the step (:func:`frobenius_decay_`);
 * the shard-aware step used by the ``dear`` and ``lee18`` schedules (``lowcomm.optim.sharded``);
@@ -13,9 +14,11 @@ name is used):
   ``lowcomm.optim.kfac`` package; ``lowcomm train --optimizer kfac[:key=value,...]`` is parsed
   by ``lowcomm.optim.kfac_spec``; docs/kfac.md).
 
-A later issue adds layer-wise adaptive optimizers (LARS/LAMB) here: a new module in this
-package, its factory in :data:`lowcomm.optim.builders.OPTIMIZER_FACTORIES`, and its public
-names in :data:`EXPORTS`.
+* layer-wise adaptive optimizers for large global batches: :class:`LARS` (and
+  :class:`LARSWrapper`, its trust ratio in front of any torch optimizer) and :class:`LAMB`,
+  on torch's multi-tensor kernels (``lowcomm.optim.lars``, ``lowcomm.optim.lamb``;
+  ``lowcomm train --optimizer lars[:key=value,...]``; docs/largebatch.md), with the
+  ``poly`` schedule (:func:`poly_factor`) for their warm-up + polynomial decay.
 """
 
 from __future__ import annotations
@@ -44,7 +47,12 @@ EXPORTS: dict[str, str] = {
     "step_subset": "sharded",
     # second-order preconditioning (K-FAC: the lowcomm.optim.kfac package)
     "KFAC": "kfac",
-    # adaptive optimizers (LARS, LAMB): later issues
+    # layer-wise adaptive optimizers (large batches; docs/largebatch.md)
+    "LARS": "lars",
+    "LARSWrapper": "lars",
+    "LAMB": "lamb",
+    "trust_ratios": "adaptive",
+    "poly_factor": "schedules",
 }
 
 __all__ = sorted(EXPORTS)

@@ -3,8 +3,9 @@ method may ask to change before they are built.
 
 Why one module: every place that needs an optimizer (the trainer at start, the trainer again
 after Pufferfish's switch, the tests) must build the *same* one from the same settings; a
-second builder would drift. New optimizers (LARS/LAMB) are added to
-:data:`OPTIMIZER_FACTORIES` with one entry each and a choice in ``TrainConfig``. K-FAC is
+second builder would drift. Each optimizer is one entry of :data:`OPTIMIZER_FACTORIES`
+(LARS/LAMB: :mod:`lowcomm.optim.lars`, :mod:`lowcomm.optim.lamb`, their keys parsed by
+:mod:`lowcomm.optim.adaptive_spec`) and a name in ``kfac_spec.BASE_OPTIMIZERS``. K-FAC is
 not one: it preconditions ``p.grad`` in front of one of these (``--optimizer kfac:base=...``,
 :mod:`lowcomm.optim.kfac_spec`; the trainer runs it through :mod:`lowcomm.runtime.kfac_hook`).
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from lowcomm.errors import UsageError
+from lowcomm.optim.adaptive import EXCLUDE_KEY
 
 if TYPE_CHECKING:
     from lowcomm.methods.base import Method
@@ -94,7 +96,10 @@ _NORM_TYPES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.m
 
 def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool) -> list[dict[str, Any]]:
     """One group, or two when norms and biases are exempt from weight decay (decaying a
-    norm's scale or a bias only pulls it towards a value nobody asked for)."""
+    norm's scale or a bias only pulls it towards a value nobody asked for). The exempt group
+    is also marked ``exclude_from_adaptation``: LARS/LAMB give it no trust ratio either (a
+    layer-wise ratio of a bias or a norm's scale is noise; You et al. 2017, Jia et al. 2018);
+    other optimizers ignore the key."""
     if not no_decay_norm_bias or weight_decay == 0:
         return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
     decay: list[nn.Parameter] = []
@@ -104,7 +109,8 @@ def param_groups(model: nn.Module, weight_decay: float, no_decay_norm_bias: bool
             if not p.requires_grad:
                 continue
             (no_decay if isinstance(module, _NORM_TYPES) or name == "bias" or p.ndim <= 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0, EXCLUDE_KEY: True}]
 
 
 def _sgd(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
@@ -115,12 +121,35 @@ def _adamw(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=cfg.lr)
 
 
-#: ``--optimizer`` name -> factory(param groups, config). The place where LARS/LAMB will be
-#: added (their names also go into ``lowcomm.optim.kfac_spec.BASE_OPTIMIZERS``, which K-FAC's
-#: ``base=`` accepts too).
+def _adaptive_options(cfg: TrainConfig) -> dict[str, Any]:
+    """The lars/lamb keys of ``cfg`` with every default filled in (``kfac:base=lars`` and
+    Python callers that skipped ``validate`` leave them empty)."""
+    from lowcomm.optim.adaptive_spec import check_adaptive
+
+    return check_adaptive(cfg.optimizer, dict(getattr(cfg, "optimizer_options", None) or {}))
+
+
+def _lars(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
+    from lowcomm.optim.lars import LARS
+
+    return LARS(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **_adaptive_options(cfg))
+
+
+def _lamb(groups: list[dict[str, Any]], cfg: TrainConfig) -> torch.optim.Optimizer:
+    from lowcomm.optim.lamb import LAMB
+
+    opts = _adaptive_options(cfg)
+    betas = (opts.pop("beta1"), opts.pop("beta2"))
+    return LAMB(groups, lr=cfg.lr, betas=betas, **opts)
+
+
+#: ``--optimizer`` name -> factory(param groups, config). Every name is also in
+#: ``lowcomm.optim.kfac_spec.BASE_OPTIMIZERS`` (which K-FAC's ``base=`` accepts too).
 OPTIMIZER_FACTORIES: dict[str, Callable[[list[dict[str, Any]], TrainConfig], torch.optim.Optimizer]] = {
     "sgd": _sgd,
     "adamw": _adamw,
+    "lars": _lars,
+    "lamb": _lamb,
 }
 
 
@@ -131,4 +160,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer
     if factory is None:
         raise UsageError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZER_FACTORIES)} "
                          "(K-FAC: TrainConfig.validate turns 'kfac:...' into one of them plus cfg.kfac)")
-    return factory(param_groups(model, cfg.weight_decay, cfg.no_decay_norm_bias), cfg)
+    exempt = cfg.no_decay_norm_bias
+    if cfg.optimizer in ("lars", "lamb"):  # their excluded tensors get no decay either
+        exempt = exempt or bool(_adaptive_options(cfg)["exclude_1d"])
+    return factory(param_groups(model, cfg.weight_decay, exempt), cfg)

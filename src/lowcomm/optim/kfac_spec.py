@@ -7,8 +7,8 @@ spec imports the parser and K-FAC's own checks (the same messages as the Python 
 ``kfac:key=value,...`` is parsed by the ``--method`` parser
 (:func:`lowcomm.methods.base.parse_options`: the same ``key=value`` syntax, types from the
 fields of :class:`KFACOptions`, unknown keys refused with the valid ones). K-FAC
-preconditions ``p.grad`` in front of a base optimizer (``base=sgd``, the default, or
-``base=adamw``) built from the trainer's settings; the trainer gives it the scheduled LR and
+preconditions ``p.grad`` in front of a base optimizer (``base=sgd``, the default, ``adamw``,
+``lars`` or ``lamb``, the last two with their default keys) built from the trainer's settings; the trainer gives it the scheduled LR and
 its GradScaler (:mod:`lowcomm.runtime.kfac_hook`).
 """
 
@@ -24,9 +24,11 @@ if TYPE_CHECKING:
     from lowcomm.runtime.config import TrainConfig
 
 #: base optimizers (``lowcomm.optim.builders.OPTIMIZER_FACTORIES``); ``kfac`` goes in front of one
-BASE_OPTIMIZERS = ("sgd", "adamw")
+BASE_OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+#: base optimizers with ``key=value`` options of their own (:mod:`lowcomm.optim.adaptive_spec`)
+WITH_OPTIONS = ("lars", "lamb")
 #: what ``--optimizer`` accepts, for messages and ``--help``
-CHOICES = "sgd, adamw, kfac[:key=value,...]"
+CHOICES = "sgd, adamw, lars[:key=value,...], lamb[:key=value,...], kfac[:key=value,...]"
 PREFIX = "--optimizer kfac"
 
 #: KFAC keywords that ``lowcomm train`` sets itself, with the reason (refused as keys)
@@ -133,8 +135,16 @@ def resolve_optimizer(cfg: TrainConfig) -> None:
         return
     if name not in BASE_OPTIMIZERS:
         raise UsageError(f"--optimizer {cfg.optimizer!r} is unknown; valid: {CHOICES}")
-    if colon:
-        raise UsageError(f"--optimizer {name} takes no options (only kfac does: kfac:key=value,...)")
+    if name in WITH_OPTIONS:  # lars/lamb: their keys, or cfg.optimizer_options from Python
+        from lowcomm.optim.adaptive_spec import check_adaptive, parse_adaptive
+
+        given = getattr(cfg, "optimizer_options", None) or {}
+        cfg.optimizer_options = parse_adaptive(name, opts) if colon else check_adaptive(name, given)
+    elif colon:
+        raise UsageError(f"--optimizer {name} takes no options (only lars, lamb and kfac do: name:key=value,...)")
+    elif getattr(cfg, "optimizer_options", None):
+        raise UsageError(f"optimizer_options are for lars and lamb; --optimizer {name} takes none "
+                         f"(got {sorted(cfg.optimizer_options)})")
     cfg.optimizer = name
     if cfg.kfac is not None:
         if not isinstance(cfg.kfac, dict):

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: int) -> float:
-    """Multiplier of the base LR after ``step`` optimizer steps (linear warm-up first)."""
+    """Multiplier of the base LR after ``step`` optimizer steps (linear warm-up first).
+
+    For large global batches (docs/largebatch.md): scale the base LR linearly with the global
+    batch (``lr = base_lr * global_batch / base_batch``, Goyal et al. 2017), warm up over a
+    few epochs (``--lr-warmup-epochs``) and decay with ``poly`` (``--poly-power``) or ``cosine``.
+    """
     warm = int(cfg.lr_warmup_epochs * steps_per_epoch)
     if warm and step < warm:
         return (step + 1) / warm
@@ -31,11 +36,25 @@ def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int, total_steps: in
     if cfg.schedule == "cosine":
         span = max(1, total_steps - warm)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / span)))
+    if cfg.schedule == "poly":
+        return poly_factor(step - warm, total_steps - warm, cfg.poly_power)
     if cfg.schedule == "step":
         return cfg.gamma ** (step // max(1, cfg.step_size_epochs * steps_per_epoch))
     # multistep: milestones are fractions of training (<= 1) or epoch numbers (> 1)
     marks = [int(m * total_steps) if m <= 1 else int(m * steps_per_epoch) for m in cfg.milestones]
     return cfg.gamma ** sum(step >= m for m in marks)
+
+
+def poly_factor(done: int, span: int, power: float) -> float:
+    """Polynomial decay ``(1 - done/span) ** power`` from 1 to 0 over ``span`` steps.
+
+    Why a schedule of its own: LARS/LAMB's large-batch recipes (You et al. 2017, 2019; Goyal
+    et al. 2017 for the warm-up) decay the LR polynomially, power 2, to zero after a linear
+    warm-up; cosine is the other common choice. The last step's factor is ``(1/span)**power``
+    rather than 0, so no step is taken with LR 0.
+    """
+    span = max(1, span)
+    return max(0.0, 1.0 - min(done, span - 1) / span) ** power
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ from typing import Any
 
 from lowcomm.errors import UsageError, check_count, check_positive, check_range
 from lowcomm.optim.kfac_spec import BASE_OPTIMIZERS, resolve_optimizer
+from lowcomm.runtime.input_spec import check_input_options
 
-SCHEDULES = ("constant", "step", "multistep", "cosine")
+SCHEDULES = ("constant", "step", "multistep", "cosine", "poly")
 #: base optimizers; ``--optimizer kfac[:key=value,...]`` puts K-FAC in front of one
 #: (:mod:`lowcomm.optim.kfac_spec`: the spec becomes ``optimizer`` plus ``kfac``)
 OPTIMIZERS = BASE_OPTIMIZERS
@@ -30,15 +31,22 @@ class TrainConfig:
     model: str = "cnn1d"
     data: str = "mnist1d"
     data_dir: str | None = None
+    # input pipeline (lowcomm.runtime.input_spec, docs/input_pipeline.md)
+    data_workers: int = 0  # DataLoader worker processes per rank (0: read in the training process)
+    prefetch: int | None = None  # batches per worker prepared ahead (None: torch's 2)
+    data_cache: str = "none"  # decoded-sample cache: none, memory, disk or disk:DIR
     method: str = "ssgd"
     nproc: int = 1
+    #: workers per node (``--gpus-per-node``; None: torchrun's LOCAL_WORLD_SIZE, else one node)
+    gpus_per_node: int | None = None
     epochs: int = 1
     steps: int | None = None  # stop after this many optimizer steps in total
     warmup_steps: int | None = None  # steps excluded from timing medians
     batch_size: int = 64  # per worker
     eval_batch_size: int = 512
     lr: float = 0.1
-    optimizer: str = "sgd"  # sgd, adamw, or kfac[:key=value,...] (validate: base name + kfac)
+    optimizer: str = "sgd"  # sgd, adamw, lars[:...], lamb[:...] or kfac[:key=value,...] (validate: base name + kfac)
+    optimizer_options: dict[str, Any] = field(default_factory=dict)  # lars/lamb keys (lowcomm.optim.adaptive_spec)
     kfac: dict[str, Any] | None = None  # K-FAC's options (None: no K-FAC), see lowcomm.optim.kfac_spec
     momentum: float = 0.9
     nesterov: bool = False
@@ -46,6 +54,7 @@ class TrainConfig:
     no_decay_norm_bias: bool = False
     schedule: str = "cosine"
     lr_warmup_epochs: float = 0.0
+    poly_power: float = 2.0  # --schedule poly: (1 - t/T) ** power after the warm-up
     milestones: list[float] = field(default_factory=lambda: [0.5, 0.75])  # fractions of training
     gamma: float = 0.1
     step_size_epochs: int = 30
@@ -74,6 +83,9 @@ class TrainConfig:
         # Every number is checked for what it means (nan and inf included), not only its sign:
         # a worker that starts with lr=nan trains to nan without a word.
         check_count("--nproc", self.nproc, maximum=MAX_LOCAL_WORKERS)
+        if self.gpus_per_node is not None:  # that it divides the world: train_cli / the trainer
+            check_count("--gpus-per-node", self.gpus_per_node, maximum=MAX_LOCAL_WORKERS)
+        check_input_options(self.data_workers, self.prefetch, self.data_cache)
         check_count("--epochs", self.epochs)
         check_count("--batch-size", self.batch_size)
         check_count("--eval-batch-size", self.eval_batch_size)
@@ -92,6 +104,7 @@ class TrainConfig:
         check_range("--momentum", self.momentum, 0.0, 1.0, high_open=True)
         check_range("--gamma", self.gamma, 0.0, 1.0, low_open=True)  # 0 would zero the LR for good
         check_positive("--lr-warmup-epochs", self.lr_warmup_epochs, allow_zero=True)
+        check_positive("--poly-power", self.poly_power)
         for m in self.milestones:
             check_positive("--milestones (fractions of training <= 1, or epochs)", m)
         check_count("--step-size-epochs", self.step_size_epochs)

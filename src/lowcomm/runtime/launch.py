@@ -15,8 +15,15 @@ line, whatever the order in which the workers exit. (Letting rank 0 print and th
 stay quiet when rank 0 failed raced: rank 1 could exit first, the launcher printed its
 "worker failed" line, then rank 0 printed the reason: two lines.)
 
-``rank_prefix`` lets the benchmark put each rank in its own network namespace
-(``ip netns exec NS``) and ``rank_env`` bind gloo to that namespace's interface.
+``nproc_per_node`` G splits the ranks into nodes of G the way torchrun numbers them on a
+multi-node job (contiguous: node ``rank // G``): ``LOCAL_RANK = rank % G``,
+``LOCAL_WORLD_SIZE = G`` and ``GROUP_RANK = rank // G`` (torchrun's name for the node index),
+so :meth:`lowcomm.comm.topology.Topology.from_env` sees the same layout as on a real cluster.
+Without it every rank is on one node (G = nproc).
+
+``rank_prefix`` lets the benchmark put each rank in its own network namespace (or each
+emulated node's ranks in the node's namespace: ``ip netns exec NS``) and ``rank_env`` bind
+gloo to that namespace's interface.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ import sys
 import tempfile
 import time
 from typing import Callable
+
+from lowcomm.errors import UsageError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 #: Exit code of a worker that refused bad input (see :mod:`lowcomm.cli`).
@@ -149,10 +158,32 @@ def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
             p.wait()
 
 
+def node_layout(nproc: int, nproc_per_node: int | None) -> int:
+    """Workers per node for ``nproc`` ranks: ``nproc_per_node`` (checked), or ``nproc`` (one node).
+
+    A G that does not divide ``nproc`` is refused: torchrun's layout needs equal nodes.
+    """
+    if nproc_per_node is None:
+        return nproc
+    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1 \
+            or nproc % nproc_per_node:
+        valid = ", ".join(str(g) for g in range(1, nproc + 1) if nproc % g == 0)
+        raise UsageError(f"{nproc_per_node!r} workers per node does not divide {nproc} workers; valid: {valid}")
+    return nproc_per_node
+
+
+def node_env(rank: int, nproc: int, nproc_per_node: int | None = None) -> dict[str, str]:
+    """torchrun's per-rank layout variables for ``rank`` of ``nproc`` on nodes of ``nproc_per_node``."""
+    g = node_layout(nproc, nproc_per_node)
+    return {"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank % g),
+            "LOCAL_WORLD_SIZE": str(g), "GROUP_RANK": str(rank // g)}
+
+
 def launch_workers(
     worker_args: list[str],
     nproc: int,
     *,
+    nproc_per_node: int | None = None,
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     rank_env: Callable[[int], dict[str, str]] | None = None,
@@ -170,11 +201,14 @@ def launch_workers(
     chatter); ``quiet`` silences only the launcher's own lines.
 
     ``command`` replaces ``python -m lowcomm`` (tests use it to start tiny scripts).
+    ``nproc_per_node``: workers per (emulated) node, see the module docstring; it must divide
+    ``nproc`` (:class:`~lowcomm.errors.UsageError` otherwise, before anything starts).
     """
+    per_node = node_layout(nproc, nproc_per_node)
     port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
     usage_dir = tempfile.mkdtemp(prefix="lowcomm-usage-")
     try:
-        return _run(worker_args, nproc, master_addr=master_addr, port=port, rank_env=rank_env,
+        return _run(worker_args, nproc, per_node, master_addr=master_addr, port=port, rank_env=rank_env,
                     rank_prefix=rank_prefix, failure_grace_s=failure_grace_s, timeout_s=timeout_s,
                     quiet=quiet, command=command, usage_dir=usage_dir)
     finally:
@@ -184,6 +218,7 @@ def launch_workers(
 def _run(
     worker_args: list[str],
     nproc: int,
+    per_node: int,
     *,
     master_addr: str,
     port: int,
@@ -199,11 +234,8 @@ def _run(
     base_env = dict(os.environ)
     for rank in range(nproc):
         env = dict(base_env)
+        env.update(node_env(rank, nproc, per_node))
         env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(nproc),
-            LOCAL_WORLD_SIZE=str(nproc),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(port),
             LOWCOMM_LAUNCHED="1",

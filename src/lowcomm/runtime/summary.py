@@ -24,6 +24,7 @@ def summary(t: Trainer) -> dict[str, Any]:
     times = t.step_times[skip:]
     bytes_iter = t.step_bytes[skip:]
     led = accounting.ledger()
+    topo = accounting.topology()
     iter_median = float(np.median(times)) if times else 0.0
     last = t.history[-1] if t.history else {}
     result: dict[str, Any] = {
@@ -44,6 +45,10 @@ def summary(t: Trainer) -> dict[str, Any]:
         "params_initial": t.params_before,
         "bytes_sent_per_worker": led.wire_bytes,
         "bytes_per_worker_per_iter": float(np.median(bytes_iter)) if bytes_iter else 0.0,
+        # the part on inter-node links (lowcomm.comm.accounting's link classes; 0 on one node)
+        "inter_node_bytes_per_worker_per_iter": (float(np.median(t.step_inter_bytes[skip:]))
+                                                 if t.step_inter_bytes[skip:] else 0.0),
+        "gpus_per_node": topo.local_size if topo is not None else t.dist.world_size,
         "iter_time_s_median": iter_median,
         "measured_tx_bytes_per_iter": float(np.median(t.step_tx[skip:])) if t.step_tx[skip:] else None,
         "samples_per_s": t.cfg.batch_size * t.dist.world_size / iter_median if iter_median else 0.0,

@@ -63,8 +63,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=d.model, help="model name (see lowcomm.models)")
     p.add_argument("--data", default=d.data, help="dataset name; mnist1d is embedded")
     p.add_argument("--data-dir", default=None, help="folder with the dataset's files")
+    p.add_argument("--data-workers", type=int, default=d.data_workers, metavar="N",
+                   help="DataLoader worker processes per rank (0: read in the training process; "
+                        "same batches either way)")
+    p.add_argument("--prefetch", type=int, default=None, metavar="K",
+                   help="batches each data worker prepares ahead (default 2; needs --data-workers)")
+    p.add_argument("--data-cache", default=d.data_cache, metavar="none|memory|disk[:DIR]",
+                   help="keep decoded samples: epoch 1 decodes and fills, later epochs read "
+                        "(docs/input_pipeline.md)")
     p.add_argument("--method", default=d.method, help="e.g. ssgd, powersgd:rank=4, acpsgd, pufferfish")
     p.add_argument("--nproc", type=int, default=d.nproc, help="local worker processes")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="workers per node (hierarchical methods, link accounting); default: "
+                        "torchrun's LOCAL_WORLD_SIZE, else one node")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--steps", type=int, default=None, help="stop after this many steps in total")
     p.add_argument("--warmup-steps", type=int, default=None, help="steps left out of timing medians")
@@ -72,14 +83,17 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-batch-size", type=int, default=d.eval_batch_size)
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--optimizer", default=d.optimizer, metavar="NAME",
-                   help="sgd, adamw, or kfac[:key=value,...]: K-FAC preconditioning in front of "
-                        "base=sgd (default) or base=adamw (docs/kfac.md)")
+                   help="sgd, adamw, lars[:eta=0.001,...], lamb[:beta2=0.999,...] (layer-wise trust ratio, "
+                        "docs/largebatch.md), or kfac[:key=value,...]: K-FAC preconditioning in front of "
+                        "base=sgd (default), adamw, lars or lamb (docs/kfac.md)")
     p.add_argument("--momentum", type=float, default=d.momentum)
     p.add_argument("--nesterov", action="store_true")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay)
     p.add_argument("--no-decay-norm-bias", action="store_true", help="no weight decay on norms and biases")
     p.add_argument("--schedule", choices=SCHEDULES, default=d.schedule)
     p.add_argument("--lr-warmup-epochs", type=float, default=d.lr_warmup_epochs)
+    p.add_argument("--poly-power", type=float, default=d.poly_power,
+                   help="--schedule poly: LR factor (1 - t/T) ** power after the warm-up")
     p.add_argument("--milestones", type=_milestones, default=d.milestones)
     p.add_argument("--gamma", type=float, default=d.gamma)
     p.add_argument("--step-size-epochs", type=int, default=d.step_size_epochs)
@@ -121,11 +135,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             data_args[key] = getattr(args, key)
     cfg = TrainConfig(
         model=args.model, data=args.data, data_dir=args.data_dir, method=args.method,
-        nproc=args.nproc, epochs=args.epochs, steps=args.steps, warmup_steps=args.warmup_steps,
+        data_workers=args.data_workers, prefetch=args.prefetch, data_cache=args.data_cache,
+        nproc=args.nproc, gpus_per_node=args.gpus_per_node, epochs=args.epochs, steps=args.steps, warmup_steps=args.warmup_steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, lr=args.lr,
         optimizer=args.optimizer, momentum=args.momentum, nesterov=args.nesterov,
         weight_decay=args.weight_decay, no_decay_norm_bias=args.no_decay_norm_bias,
         schedule=args.schedule, lr_warmup_epochs=args.lr_warmup_epochs, milestones=args.milestones,
+        poly_power=args.poly_power,
         gamma=args.gamma, step_size_epochs=args.step_size_epochs, clip_grad=args.clip_grad,
         amp=args.amp, seed=args.seed, threads=args.threads, device=args.device,
         bucket_cap_mb=args.bucket_cap_mb, eval=not args.no_eval, checkpoint_dir=args.checkpoint_dir,
@@ -156,6 +172,10 @@ def check_names(cfg: TrainConfig) -> None:
             grad_workers(cfg.kfac["grad_worker_fraction"], cfg.nproc)
         except UsageError as e:
             raise UsageError(f"--optimizer kfac: {e}") from None
+    if cfg.optimizer in ("lars", "lamb") and getattr(method, "mode", None) == "shard":  # lee18 (a str enum)
+        raise UsageError(f"--method {cfg.method} updates 1/P slices of each parameter, and a slice's norm is not "
+                         f"the layer's, so --optimizer {cfg.optimizer}'s trust ratio would change; use sgd or adamw "
+                         "with it, or lars/lamb with a method that updates whole tensors (ssgd, dear, wfbp, ...)")
     if cfg.model_args:
         check_model_args(cfg.model, cfg.model_args)
     if method.timing_only and cfg.eval:
@@ -211,6 +231,9 @@ def run_train(args: argparse.Namespace) -> int:
         run_training(cfg)
         return 0
     check_names(cfg)
+    if cfg.gpus_per_node is not None and cfg.nproc % cfg.gpus_per_node:
+        valid = ", ".join(str(g) for g in range(1, cfg.nproc + 1) if cfg.nproc % g == 0)
+        raise UsageError(f"--gpus-per-node {cfg.gpus_per_node} does not divide --nproc {cfg.nproc}; valid: {valid}")
     json_path = cfg.json
     tmp = None
     if json_path is None:
@@ -237,7 +260,7 @@ def run_train(args: argparse.Namespace) -> int:
                     os.environ.pop(v, None)
             code = 0
         else:
-            code = launch_workers(worker_args, cfg.nproc)
+            code = launch_workers(worker_args, cfg.nproc, nproc_per_node=cfg.gpus_per_node)
         if code != 0:
             return code
         with open(json_path) as f:

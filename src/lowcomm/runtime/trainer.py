@@ -26,6 +26,7 @@ from lowcomm import data as data_registry
 from lowcomm import methods as method_registry
 from lowcomm import models as model_registry
 from lowcomm.comm import accounting
+from lowcomm.comm.topology import Topology
 from lowcomm.compress.feedback import warn_nonfinite
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import Method, MethodContext
@@ -40,7 +41,8 @@ from lowcomm.runtime.measure import InterfaceCounter, LastGradClock
 from lowcomm.runtime.precision import amp_dtype, autocast, grad_scaler
 from lowcomm.runtime.records import Progress, RunLog
 from lowcomm.runtime.summary import summary
-from lowcomm.runtime.workload import Batches, build_model, loss_fn, seed_everything, task_of, unwrap
+from lowcomm.runtime.workload import (Batches, build_model, cache_samples, loss_fn, seed_everything,
+                                       task_of, unwrap)
 
 __all__ = ["Trainer", "amp_dtype", "run_training"]
 
@@ -51,6 +53,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.dist = init_distributed(cfg)
+        # workers per node: --gpus-per-node, else LOCAL_WORLD_SIZE; the ledger splits bytes by link
+        accounting.set_topology(Topology.from_env(cfg.gpus_per_node))
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         seed_everything(cfg.seed)
@@ -66,7 +70,10 @@ class Trainer:
                 print(f"lowcomm: {line}", file=sys.stderr, flush=True)
         if self.method.timing_only and cfg.eval:
             raise UsageError(f"method {cfg.method!r} is for timing only; use it with --no-eval")
-        self.train_batches = Batches(self.bundle.train, cfg.batch_size, self.dist.rank, self.dist.world_size, cfg.seed)
+        self.bundle = cache_samples(cfg, self.bundle)  # --data-cache: decoded once, read later epochs
+        self.train_batches = Batches(self.bundle.train, cfg.batch_size, self.dist.rank, self.dist.world_size, cfg.seed,
+                                     workers=cfg.data_workers, prefetch=cfg.prefetch,
+                                     pin_memory=self.dist.device.type == "cuda")
         self.steps_per_epoch = len(self.train_batches)
         self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
         self.ctx = MethodContext(
@@ -93,6 +100,7 @@ class Trainer:
         self.start_batch = 0
         self.history: list[dict[str, Any]] = []
         self.step_bytes: list[int] = []
+        self.step_inter_bytes: list[int] = []  # the inter-node part (accounting's link classes)
         self.step_times: list[float] = []
         self.iface = InterfaceCounter(os.environ.get("LOWCOMM_MEASURE_IFACE"))
         self.step_tx: list[int] = []
@@ -308,7 +316,7 @@ class Trainer:
             data_start = time.perf_counter()
             for x, y in self.train_batches.epoch(epoch, first):
                 self.timer.add("data", time.perf_counter() - data_start)
-                bytes_before = led.wire_bytes
+                bytes_before, inter_before = led.wire_bytes, led.inter_wire_bytes
                 tx_before = self.iface.read()
                 step_start = time.perf_counter()
                 loss = self.train_step(x, y)
@@ -318,6 +326,7 @@ class Trainer:
                 step_time = time.perf_counter() - step_start + phases.get("data", 0.0)
                 self.step_times.append(step_time)
                 self.step_bytes.append(led.wire_bytes - bytes_before)
+                self.step_inter_bytes.append(led.inter_wire_bytes - inter_before)
                 batch_idx += 1
                 progress.update(loss)
                 if self.log.active:
@@ -362,8 +371,9 @@ class Trainer:
         return summary(self)
 
     def close(self) -> None:
-        """Close the step log and TensorBoard writer."""
+        """Close the step log and TensorBoard writer, stop the data workers."""
         self.log.close()
+        self.train_batches.close()  # the data workers (persistent) stop here, not at exit
 
 
 def run_training(cfg: TrainConfig) -> dict[str, Any]:

@@ -6,10 +6,13 @@ evaluation needs the same loss and batching as the training step.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+import os
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,8 +23,12 @@ from torch.utils.data.distributed import DistributedSampler
 
 from lowcomm import models as model_registry
 from lowcomm.data import DataBundle
+from lowcomm.data.cache import cache_dir
+from lowcomm.data.pipeline import BatchPlan, batch_loader, fetch_batch
+from lowcomm.data.sample_cache import with_cache
 from lowcomm.errors import UsageError
 from lowcomm.runtime.config import TrainConfig
+from lowcomm.runtime.input_spec import parse_data_cache
 
 
 def seed_everything(seed: int) -> None:
@@ -84,36 +91,72 @@ class Batches:
 
     Same permutation as ``DistributedSampler(shuffle=True, seed, drop_last=False)`` after
     ``set_epoch(epoch)``: every rank gets the same number of batches, so collectives match.
+    With ``workers`` > 0 the planned batches are read by DataLoader worker processes
+    (:mod:`lowcomm.data.pipeline`); the batches are the same, bit for bit, as with 0 workers
+    (read here, in the training process).
     """
 
-    def __init__(self, dataset: Dataset[Any], batch_size: int, rank: int, world: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, dataset: Dataset[Any], batch_size: int, rank: int, world: int, seed: int,
+                 shuffle: bool = True, *, workers: int = 0, prefetch: int | None = None,
+                 pin_memory: bool = False) -> None:
         self.dataset = dataset
         self.batch_size = batch_size
         self.sampler: DistributedSampler[int] = torch.utils.data.distributed.DistributedSampler(
             dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=False
         )
         self.tensors = getattr(dataset, "tensors", None)
+        self.workers = workers
+        self._plan = BatchPlan()
+        self._loader = (batch_loader(dataset, self.tensors, self._plan, workers=workers, prefetch=prefetch,
+                                     pin_memory=pin_memory) if workers > 0 else None)
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the last one may be short)."""
         return math.ceil(len(self.sampler) / self.batch_size)
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's batches of ``epoch`` from ``start_batch`` on (resume mid-epoch)."""
+    def plan(self, epoch: int, start_batch: int = 0) -> list[list[int]]:
+        """This rank's index lists of ``epoch`` from ``start_batch`` on."""
         self.sampler.set_epoch(epoch)
         indices = list(self.sampler)
-        for b in range(start_batch, len(self)):
-            idx = indices[b * self.batch_size : (b + 1) * self.batch_size]
-            yield self.fetch(idx)
+        return [indices[b * self.batch_size : (b + 1) * self.batch_size] for b in range(start_batch, len(self))]
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's batches of ``epoch`` from ``start_batch`` on (resume mid-epoch: the
+        skipped samples are not read)."""
+        batches = self.plan(epoch, start_batch)
+        if self._loader is None:
+            for idx in batches:
+                yield self.fetch(idx)
+            return
+        self._plan.batches = batches
+        yield from self._loader
 
     def fetch(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples at ``idx`` as one batch (indexing tensors directly when possible)."""
-        if self.tensors is not None:
-            t = torch.as_tensor(idx)
-            return self.tensors[0][t], self.tensors[1][t]
-        items = [self.dataset[i] for i in idx]
-        xs, ys = zip(*items)
-        return torch.stack([torch.as_tensor(x) for x in xs]), torch.stack([torch.as_tensor(y) for y in ys])
+        return fetch_batch(self.dataset, self.tensors, idx)
+
+    def close(self) -> None:
+        """Stop the (persistent) worker processes now rather than at garbage collection;
+        later epochs, if any, are read in the training process."""
+        loader, self._loader = self._loader, None
+        running = getattr(loader, "_iterator", None)  # DataLoader keeps its persistent workers there
+        if running is not None and hasattr(running, "_shutdown_workers"):
+            running._shutdown_workers()
+
+
+def cache_samples(cfg: TrainConfig, bundle: DataBundle) -> DataBundle:
+    """``bundle`` with its train and test sets behind the ``--data-cache`` store (unchanged for
+    ``none`` and for data held as tensors). A disk cache without a folder goes to the data
+    cache folder (``$LOWCOMM_CACHE_DIR`` or ``~/.cache/lowcomm``), under ``samples/``."""
+    spec = parse_data_cache(cfg.data_cache)
+    if spec.kind == "none":
+        return bundle
+    root = Path(spec.directory).expanduser() if spec.directory else cache_dir(None) / "samples"
+    base = {"data": cfg.data, "data_dir": os.path.abspath(cfg.data_dir) if cfg.data_dir else None,
+            "data_args": cfg.data_args, "seed": cfg.seed if bundle.synthetic else None}
+    train = with_cache(bundle.train, spec.kind, directory=root, identity={**base, "split": "train"})
+    test = with_cache(bundle.test, spec.kind, directory=root, identity={**base, "split": "test"})
+    return dataclasses.replace(bundle, train=train, test=test)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

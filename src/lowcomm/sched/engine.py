@@ -28,6 +28,9 @@ overflows in one shard is caught by one all-reduced flag per step
 (:func:`~lowcomm.sched.shardview.agree_nonfinite`), so every rank skips the same step.
 Without a scaler, :meth:`Engine.nonfinite_this_step` is a device flag for the trainer's
 single check.
+
+``reducer`` (``hier``): sums groups and codec all-reduces instead of the plain all-reduce
+(:class:`lowcomm.comm.hierarchical.HierarchicalReducer`, ``start(buf, tag=)`` -> ``wait()``).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Engine:
         sizes: list[int] | None = None,
         broadcast_buffers: bool = True,
         codec: Codec | None = None,
+        reducer: Any = None,
     ) -> None:
         self.model = model
         self.mode = Mode(mode)
@@ -74,9 +78,10 @@ class Engine:
         self.broadcast_buffers = broadcast_buffers
         self.distributed, self.world, self.rank = world_and_rank(process_group)
         self.codec = codec
+        self.reducer = reducer if self.distributed and self.world > 1 and self.mode is Mode.ALLREDUCE else None
         index = {n: i for i, (n, _) in enumerate(model.named_parameters())}
         self.carrier = (Carrier(codec, mode=self.mode, group=process_group, world=self.world, rank=self.rank,
-                                distributed=self.distributed, tag=tag, param_index=index)
+                                distributed=self.distributed, tag=tag, param_index=index, reducer=self.reducer)
                         if codec is not None else None)
         self.units: list[Unit] = collect_units(model)
         self.groups: list[Group] = []
@@ -128,6 +133,8 @@ class Engine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.reducer is not None and hasattr(self.reducer, "close"):
+            self.reducer.close()
 
     def set_grouping(self, sizes: list[int]) -> None:
         """Re-fuse the units (forward-order unit counts per group). Nothing may be pending."""
@@ -193,7 +200,9 @@ class Engine:
             if self.mode is not Mode.ALLREDUCE:
                 g.shard.copy_(g.flat)
             return
-        if self.mode is Mode.ALLREDUCE:
+        if self.mode is Mode.ALLREDUCE and self.reducer is not None:
+            g.work = self.reducer.start(g.flat, tag=self.tag)
+        elif self.mode is Mode.ALLREDUCE:
             g.work = accounting.all_reduce(g.flat, group=self.pg, async_op=True, tag=self.tag)
         else:
             # a reduce-scatter spreads a NaN only into one rank's shard: poison the whole

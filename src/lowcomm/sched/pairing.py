@@ -13,7 +13,9 @@ disagree. Nothing here names a compressor; a new codec is placed by what it decl
   decoded to the full mean); a multi-round ``SUM`` codec is refused;
 * ``lee18`` (``shard`` mode) carries ``elementwise`` ``SUM`` codecs (reduce-scatter the
   message, decode only this rank's slice) and ``GATHER`` codecs (decode the full mean, keep
-  the slice); any other ``SUM`` codec is refused.
+  the slice); any other ``SUM`` codec is refused;
+* a schedule whose method class sets ``sums_only`` (``hier``: its point is to run the
+  all-reduce hierarchically) carries only ``SUM`` codecs (:func:`sum_only_refusal`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def _schedule_mode(schedule: str) -> Mode:
     if not isinstance(mode, Mode):
         raise ValueError(f"{schedule!r} is not a scheduling-engine method (wfbp, mgwfbp, dear, lee18)")
     return mode
+
+
+def sum_only_refusal(schedule: str, codec: type[Codec]) -> str | None:
+    """The refusal text of a ``sums_only`` schedule for ``codec``, or None for a ``SUM`` codec."""
+    if codec.aggregation is Aggregation.SUM:
+        return None
+    return (
+        f"{schedule} cannot carry compress={codec.name}: {codec.name}'s payloads are gathered (each "
+        "decoded on its own), not summed, so there is no all-reduce to run hierarchically; use "
+        f"method 'hitopk' (hierarchical top-k) or 'wfbp:compress={codec.name}'"
+    )
 
 
 def carries(mode: Mode, codec: type[Codec]) -> bool:
@@ -87,4 +100,12 @@ def pairing_refusal(schedule_name: str, codec_name: str) -> str | None:
     """
     if codec_name.strip().lower() in ("", "none"):
         return None
-    return mode_refusal(_schedule_mode(schedule_name), schedule_name, codec_class(codec_name.strip().lower()))
+    from lowcomm import methods
+
+    mode = _schedule_mode(schedule_name)
+    codec = codec_class(codec_name.strip().lower())
+    if getattr(methods.method_class(schedule_name), "sums_only", False):
+        refusal = sum_only_refusal(schedule_name, codec)
+        if refusal is not None:
+            return refusal
+    return mode_refusal(mode, schedule_name, codec)

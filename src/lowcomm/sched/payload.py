@@ -25,6 +25,9 @@ shard (lee18)      reduce-scatter; decode only this       exchange; decode the f
                    rank's slice (elementwise codecs)      this rank's slice
 =================  ====================================  ==========================================
 
+With a ``reducer`` (the ``hier`` schedule, allreduce mode) every ``all_reduce`` message, non-final
+ones included, goes through it (hierarchically or flat), in launch order.
+
 AMP: a decoded gradient that ``finish_sync`` hands on is in the units the user's GradScaler
 expects (scaled: a stateful codec's result is multiplied by the scale it divided out). DeAR's
 ``SUM`` message shards are the exception: they stay undecoded until the next forward, so the
@@ -71,7 +74,7 @@ class Carrier:
     """Encode, exchange and decode of one codec's payloads for one engine (see module doc)."""
 
     def __init__(self, codec: Codec, *, mode: Mode, group: dist.ProcessGroup | None, world: int, rank: int,
-                 distributed: bool, tag: str, param_index: dict[str, int]) -> None:
+                 distributed: bool, tag: str, param_index: dict[str, int], reducer: Any = None) -> None:
         self.codec = codec
         self.mode = mode
         self.pg = group
@@ -84,6 +87,12 @@ class Carrier:
         self.scatters = mode is not Mode.ALLREDUCE and codec.aggregation is Aggregation.SUM
         self.scaler: torch.amp.GradScaler | None = None
         self._layouts: dict[tuple[str, ...], Layout] = {}
+        #: sums all-reduce messages instead of the plain all-reduce (see module docstring)
+        self.reducer = reducer if self.distributed else None
+        #: the node layout scoped messages (hitopk's intra/inter) run on; None on a subgroup
+        self.topology = accounting.topology() if group is None else None
+        if hasattr(codec, "set_topology"):
+            codec.set_topology(self.topology)
 
     def layout(self, g: Group) -> Layout:
         """The codec's view of group ``g`` (cached per parameter list: regrouping makes new ones)."""
@@ -106,8 +115,10 @@ class Carrier:
             finite = finite_flag(flat)
             layout = self.layout(g)
             self.codec.accumulate(flat, layout, finite)  # flat <- velocity (no-op without one)
-            msg = self.codec.encode(flat, layout, finite, pad_to=self.world if self.scatters else 1)
-        msg = transport.run_rounds(self.codec, msg, group=self.pg, tag=self.tag)
+            pad_to = self.world if self.scatters else self.reducer.pad_to if self.reducer is not None else 1
+            msg = self.codec.encode(flat, layout, finite, pad_to=pad_to)
+        msg = transport.run_rounds(self.codec, msg, group=self.pg, tag=self.tag, topology=self.topology,
+                                   reducer=self.reducer)
         f = InFlight(msg, divided=divided, carried=scale if divided is None else None)
         if self.scatters:
             if self.distributed:
@@ -118,7 +129,8 @@ class Carrier:
             else:
                 f.shard = msg.buf
         else:
-            f.pending = transport.start(msg, group=self.pg, tag=self.tag, async_op=True)
+            f.pending = transport.start(msg, group=self.pg, tag=self.tag, async_op=True, topology=self.topology,
+                                        reducer=self.reducer)
         g.msg = f
 
     def accumulate(self, g: Group) -> None:

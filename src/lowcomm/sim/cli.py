@@ -6,6 +6,12 @@ Examples::
     lowcomm simulate --profile resnet18.json --workers 8,64,1024 --net 10gbit \\
         --methods ssgd,powersgd:rank=4,acpsgd --plot speedup.png --json sim.json
     lowcomm advise --model resnet18 --net 10gbit --workers 64
+    lowcomm simulate --profile resnet50.json --nodes 2 --gpus-per-node 4 --net 1gbit \
+        --intra loopback --methods ssgd,hier,hier:mode=hybrid
+
+``--nodes N --gpus-per-node G`` simulates N*G workers on a two-level topology: ``--net`` is
+each node's link (one NIC per node, shared by its G workers), ``--intra`` the link inside a
+node (:meth:`lowcomm.sim.network.NetworkModel.two_level`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Any
 from lowcomm.errors import UsageError, check_count, check_positive
 from lowcomm.methods import split_list
 from lowcomm.sim.advise import advise, candidates, caveat
-from lowcomm.sim.network import parse_network
+from lowcomm.sim.network import INTRA_PRESETS, NetworkModel, parse_intra, parse_network
 from lowcomm.sim.predict import Prediction, predict_iteration_time
 from lowcomm.sim.schedules import make_schedule
 from lowcomm.sim.profile import Profile
@@ -143,10 +149,19 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 # -- simulate -----------------------------------------------------------------------------
+def two_level_network(net_spec: str, intra_spec: str, gpus_per_node: int) -> NetworkModel:
+    """``--net`` as each node's link, ``--intra`` inside a node, one NIC per node."""
+    check_count("--gpus-per-node", gpus_per_node, maximum=MAX_WORKERS)
+    base = parse_network(net_spec)
+    return NetworkModel.two_level(base.inter, parse_intra(intra_spec), gpus_per_node,
+                                  algorithm="ring" if base.algorithm == "hierarchical" else base.algorithm,
+                                  name=f"{net_spec} between nodes, {intra_spec} inside ({gpus_per_node}/node)")
+
+
 def simulate_table(prof: Profile, methods: list[str], workers: list[int],
-                   net_spec: str, *, bucket_mb: float = 25.0) -> dict[str, Any]:
+                   net_spec: str | NetworkModel, *, bucket_mb: float = 25.0) -> dict[str, Any]:
     """Every method at every worker count, with speed-up and scaling efficiency (JSON-ready)."""
-    net = parse_network(net_spec)
+    net = parse_network(net_spec) if isinstance(net_spec, str) else net_spec
 
     def predict(method: str, p: int) -> Prediction:
         return predict_iteration_time(prof, method, workers=p, network=net, bucket_mb=bucket_mb)
@@ -215,8 +230,16 @@ def run_simulate(args: argparse.Namespace) -> int:
     prof = Profile.load(args.profile)
     check_positive("--bucket-mb", args.bucket_mb)
     workers = parse_workers(args.workers)
+    net: str | NetworkModel = args.net
+    if args.nodes is not None or args.gpus_per_node is not None:
+        nodes = args.nodes if args.nodes is not None else 1
+        g = args.gpus_per_node if args.gpus_per_node is not None else 1
+        check_count("--nodes", nodes, maximum=MAX_WORKERS)
+        check_count("--gpus-per-node", g, maximum=MAX_WORKERS)
+        workers = [nodes * g]
+        net = two_level_network(args.net, args.intra, g)
     methods = split_methods(args.methods) if args.methods is not None else default_methods(prof)
-    result = simulate_table(prof, methods, workers, args.net, bucket_mb=args.bucket_mb)
+    result = simulate_table(prof, methods, workers, net, bucket_mb=args.bucket_mb)
     print(f"{prof.model} batch {prof.batch_size} ({prof.device}), "
           f"{prof.numel:,} params, network {result['network']['name']} "
           f"({result['network']['algorithm']})")
@@ -292,6 +315,12 @@ def register(sub: Any) -> None:
     s.add_argument("--net", default="10gbit",
                    help="preset (1gbit,10gbit,25gbit,100gbit,infiniband,nvlink) or RATE, "
                         "options ,delay=MS ,algo=ring|tree ,intra=nvlink,gpus_per_node=G")
+    s.add_argument("--nodes", type=int, default=None,
+                   help="two-level topology: nodes (workers = nodes x gpus-per-node; --net is the node link)")
+    s.add_argument("--gpus-per-node", type=int, default=None, help="two-level topology: workers per node")
+    s.add_argument("--intra", default="nvlink",
+                   help=f"link inside a node with --nodes: {', '.join(INTRA_PRESETS)}, a network preset "
+                        "or a RATE (default nvlink)")
     s.add_argument("--methods", default=None, help="comma-separated method specs (default: all)")
     s.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (MB)")
     s.add_argument("--json", default=None)

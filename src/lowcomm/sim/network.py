@@ -18,6 +18,27 @@ contributes to an all-gather, so ``n = P·n_local``):
 
 With P == 1 every collective costs nothing.
 
+**Two-level topology** (``gpus_per_node`` G > 1 with an ``intra`` link; ``lowcomm simulate
+--nodes N --gpus-per-node G``). ``nic`` says who owns the inter-node link: ``gpu`` (one
+link per worker, multi-rail; the hierarchical formula above) or ``node`` (one NIC per node
+shared by its G workers: public clouds and the emulated cluster of ``lowcomm bench --nodes``).
+With a node NIC:
+
+* flat ring over all P workers (``algo=ring``): ranks are contiguous per node, so each of the
+  2(P-1) steps sends one n/P chunk across each node boundary and the NIC carries
+  2(P-1)/P·n per all-reduce: 2(P-1)·α_e + 2(P-1)/P·n·β_e;
+* hierarchical: the G inter-node rings run at once and share the NIC, so the NIC carries
+  2(N-1)/N·n: 2(G-1)·α_i + 2(G-1)/G·n·β_i + 2(N-1)·α_e + 2(N-1)/N·n·β_e;
+* hybrid (``algo=hybrid``): per message, whichever of the two is faster (the rule the
+  ``hier`` method's ``mode=hybrid`` applies per fused group).
+
+The NIC bytes per all-reduce of the two differ by 2(P-1)/P ÷ 2(N-1)/N: 1.5x at 2 nodes x 2,
+1.75x at 2 x 4, the ceiling of the hierarchical speed-up on a slow inter-node link.
+A codec's scoped rounds (:attr:`lowcomm.compress.codec.Round.scope`) run on the G workers of
+a node over the intra link (``intra``) or on the N same-local-rank workers over the inter link
+(``inter``, G concurrent collectives sharing a node NIC); without a two-level topology they
+run on all P workers (the transport's flat fallback).
+
 **Per-collective calibration.** A real collective library does not reach one (α, β) for
 every collective: on gloo over TCP on a CPU box a small all-reduce costs milliseconds (the
 ring's 2(P-1) steps each wake a thread and copy), and gloo's all-to-all (which lowcomm's
@@ -31,14 +52,16 @@ Kinds: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``p2p`
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from lowcomm.comm.accounting import wire_bytes
 from lowcomm.errors import UsageError
 
-ALGORITHMS = ("ring", "tree", "hierarchical")
+ALGORITHMS = ("ring", "tree", "hierarchical", "hybrid")
+#: who owns an inter-node link: every worker (multi-rail) or the node (one shared NIC)
+NICS = ("gpu", "node")
+SCOPES = ("world", "intra", "inter")
 
 
 @dataclass(frozen=True)
@@ -68,6 +91,9 @@ PRESETS: dict[str, Link] = {
     "infiniband": _link(100e9, 2e-6),  # HDR/EDR-class IB, RDMA verbs
     "nvlink": _link(300e9 * 8, 1e-6),  # NVLink 3 intra-node, ~300 GB/s per GPU
 }
+#: links inside a node besides :data:`PRESETS`: ``loopback`` is what the emulated cluster's
+#: workers of one node get (memory copies through the kernel, tens of Gbit/s on a CPU box)
+INTRA_PRESETS: dict[str, Link] = {"loopback": _link(20e9, 20e-6), "nvlink": PRESETS["nvlink"], "pcie": _link(100e9, 5e-6)}
 PRESET_ALIASES = {"ib": "infiniband", "1gbe": "1gbit", "10gbe": "10gbit", "25gbe": "25gbit",
                   "100gbe": "100gbit"}
 
@@ -77,7 +103,8 @@ class NetworkModel:
     """Costs of collectives among ``P`` workers on one network.
 
     ``inter`` is the link between workers (between nodes when hierarchical); ``intra`` the
-    link inside a node, used only by ``algorithm="hierarchical"`` with ``gpus_per_node``.
+    link inside a node, used by the hierarchical and hybrid all-reduce and by scoped codec
+    rounds when ``gpus_per_node`` > 1 (the two-level topology, module docstring).
     """
 
     inter: Link
@@ -85,6 +112,8 @@ class NetworkModel:
     intra: Link | None = None
     gpus_per_node: int = 1
     name: str = "custom"
+    #: ``gpu``: one inter-node link per worker; ``node``: one NIC per node, shared by its workers
+    nic: str = "gpu"
     #: per-step latency (s) by collective kind, replacing ``inter.alpha_s`` for that kind
     collective_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: β multiplier by collective kind (measured seconds per wire byte / link β)
@@ -94,8 +123,12 @@ class NetworkModel:
         if self.algorithm not in ALGORITHMS:
             raise UsageError(f"unknown all-reduce algorithm {self.algorithm!r}; valid: "
                              f"{', '.join(ALGORITHMS)}")
-        if self.algorithm == "hierarchical" and (self.intra is None or self.gpus_per_node < 1):
-            raise UsageError("hierarchical all-reduce needs an intra-node link and gpus_per_node")
+        if self.algorithm in ("hierarchical", "hybrid") and (self.intra is None or self.gpus_per_node < 1):
+            raise UsageError(f"{self.algorithm} all-reduce needs an intra-node link and gpus_per_node")
+        if self.nic not in NICS:
+            raise UsageError(f"unknown nic {self.nic!r}; valid: {', '.join(NICS)}")
+        if self.gpus_per_node < 1:
+            raise UsageError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
 
     # -- constructors ---------------------------------------------------------------------
     @classmethod
@@ -106,6 +139,12 @@ class NetworkModel:
             raise UsageError(f"unknown network preset {name!r}; valid: {', '.join(PRESETS)} "
                              "or a rate like 500mbit")
         return cls(inter=PRESETS[key], name=key, **kw)
+
+    @classmethod
+    def two_level(cls, inter: Link, intra: Link, gpus_per_node: int, *, algorithm: str = "ring",
+                  nic: str = "node", **kw: Any) -> NetworkModel:
+        """Nodes of ``gpus_per_node`` workers: ``intra`` inside a node, ``inter`` between nodes."""
+        return cls(inter=inter, intra=intra, gpus_per_node=gpus_per_node, algorithm=algorithm, nic=nic, **kw)
 
     @classmethod
     def from_probe(cls, bandwidth_bits_per_s: float, rtt_s: float, **kw: Any) -> NetworkModel:
@@ -151,11 +190,125 @@ class NetworkModel:
             d["collective_alpha_s"] = dict(self.collective_alpha)
         if self.collective_beta_scale:
             d["collective_beta_scale"] = dict(self.collective_beta_scale)
-        if self.algorithm == "hierarchical" and self.intra is not None:
+        if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):
             d.update(intra_alpha_s=self.intra.alpha_s,
                      intra_bandwidth_bits_per_s=self.intra.bandwidth_bits_per_s,
-                     gpus_per_node=self.gpus_per_node)
+                     gpus_per_node=self.gpus_per_node, nic=self.nic)
         return d
+
+    # -- two-level topology ---------------------------------------------------------------
+    def levels(self, p: int) -> tuple[int, int] | None:
+        """``(nodes, workers per node)`` when ``p`` workers form a two-level topology, else None."""
+        g = self.gpus_per_node
+        if self.intra is None or g < 2 or p <= g or p % g:
+            return None
+        return p // g, g
+
+    def _nic_share(self, g: int) -> int:
+        """Concurrent inter-node collectives sharing one NIC (G with a node NIC, else 1)."""
+        return g if self.nic == "node" else 1
+
+    def flat_all_reduce(self, nbytes: float, p: int) -> float:
+        """A ring over all ``p`` workers: paced by the inter-node link (or the intra link when
+        every worker is on one node)."""
+        if self.intra is not None and 1 < p <= self.gpus_per_node:
+            return ring_all_reduce(self.intra, nbytes, p)
+        return ring_all_reduce(Link(self.alpha_for("all_reduce"), self.beta_for("all_reduce")), nbytes, p)
+
+    def hierarchical_all_reduce(self, nbytes: float, p: int) -> float:
+        """Intra-node reduce-scatter, inter-node all-reduce of n/G, intra-node all-gather."""
+        return self._hierarchical_all_reduce(nbytes, p)
+
+    def hybrid_choice(self, nbytes: float, p: int) -> str:
+        """``hierarchical`` or ``flat``: the faster all-reduce of ``nbytes`` under this model
+        (flat on a tie and when there is no two-level topology)."""
+        if self.levels(p) is None:
+            return "flat"
+        return "hierarchical" if self.hierarchical_all_reduce(nbytes, p) < self.flat_all_reduce(nbytes, p) else "flat"
+
+    def all_reduce_with(self, algorithm: str, nbytes: float, p: int) -> float:
+        """An all-reduce with an explicit algorithm (``flat``/``ring``, ``hierarchical``, ``hybrid``)."""
+        if algorithm == "hybrid":
+            algorithm = self.hybrid_choice(nbytes, p)
+        if algorithm == "hierarchical" and self.levels(p) is not None:
+            return self.hierarchical_all_reduce(nbytes, p)
+        return self.flat_all_reduce(nbytes, p)
+
+    def scoped(self, collective: str, nbytes: float, p: int, scope: str) -> float:
+        """Seconds of ``collective`` (``nbytes`` as in the methods below) on ``scope``'s group.
+
+        ``intra``: the G workers of a node on the intra link; ``inter``: the N same-local-rank
+        workers on the inter link, the G concurrent collectives sharing a node NIC; ``world``
+        or no two-level topology: all ``p`` workers (the transport's flat fallback).
+        """
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}; valid: {', '.join(SCOPES)}")
+        lv = self.levels(p)
+        if scope == "world" or lv is None:
+            return self._flat(collective, nbytes, p)
+        nodes, g = lv
+        assert self.intra is not None
+        if scope == "intra":
+            return NetworkModel(inter=self.intra, name=self.name)._flat(collective, nbytes, g)
+        # the inter-node link with its calibration, β scaled by the G collectives sharing a NIC
+        share = self._nic_share(g)
+        inter = replace(self, intra=None, gpus_per_node=1, algorithm="ring",
+                        inter=Link(self.inter.alpha_s, self.inter.beta_s_per_byte * share))
+        return inter._flat(collective, nbytes, nodes)
+
+    def _flat(self, collective: str, nbytes: float, p: int) -> float:
+        if collective == "all_reduce":
+            return self.all_reduce(nbytes, p)
+        if collective == "reduce_scatter":
+            return self.reduce_scatter(nbytes, p)
+        if collective == "all_gather":
+            return self.all_gather(nbytes, p)
+        if collective == "broadcast":
+            return self.broadcast(nbytes, p)
+        if collective == "p2p":
+            return self.point_to_point(nbytes) if p > 1 else 0.0
+        raise ValueError(collective)
+
+    def inter_bytes(self, collective: str, payload: int, p: int, scope: str = "world",
+                    algorithm: str = "flat") -> float:
+        """Bytes one worker sends over inter-node links, by :mod:`lowcomm.comm.accounting`'s
+        convention: intra -> 0; inter -> all of it; a flat collective over several nodes ->
+        1/G of its wire bytes (the ring crosses each node boundary once); hierarchical
+        all-reduce -> its inter-node ring of n/G. Without a two-level topology each worker is
+        its own node: every byte is inter-node."""
+        lv = self.levels(p)
+        if lv is None:
+            if self.intra is not None and p <= self.gpus_per_node:
+                return 0.0  # one node
+            return float(collective_wire_bytes(collective, payload, p))
+        nodes, g = lv
+        if scope == "intra":
+            return 0.0
+        if scope == "inter":
+            return float(collective_wire_bytes(collective, payload, nodes))
+        if collective == "all_reduce" and algorithm == "hybrid":
+            algorithm = self.hybrid_choice(payload, p)
+        if collective == "all_reduce" and algorithm == "hierarchical":
+            return float(collective_wire_bytes("all_reduce", math.ceil(payload / g), nodes))
+        return collective_wire_bytes(collective, payload, p) / g
+
+    def wire_bytes_of(self, collective: str, payload: int, p: int, scope: str = "world",
+                      algorithm: str = "flat") -> int:
+        """Bytes one worker sends on all links for ``collective`` (scoped / hierarchical aware)."""
+        lv = self.levels(p)
+        if lv is None:
+            return collective_wire_bytes(collective, payload, p)
+        nodes, g = lv
+        if scope in ("intra", "inter"):
+            return collective_wire_bytes(collective, payload, g if scope == "intra" else nodes)
+        if collective == "all_reduce" and algorithm == "hybrid":
+            algorithm = self.hybrid_choice(payload, p)
+        if collective == "all_reduce" and algorithm == "hierarchical":
+            shard = math.ceil(payload / g)
+            return (collective_wire_bytes("reduce_scatter", shard * g, g)
+                    + collective_wire_bytes("all_reduce", shard, nodes)
+                    + collective_wire_bytes("all_gather", shard, g))
+        return collective_wire_bytes(collective, payload, p)
 
     # -- collectives ----------------------------------------------------------------------
     def all_reduce(self, nbytes: float, p: int) -> float:
@@ -164,8 +317,11 @@ class NetworkModel:
             return 0.0
         if self.algorithm == "tree":
             return 2 * math.ceil(math.log2(p)) * self.alpha_s + 2 * nbytes * self.beta_s_per_byte
-        if self.algorithm == "hierarchical":
-            return self._hierarchical_all_reduce(nbytes, p)
+        if self.algorithm in ("hierarchical", "hybrid"):
+            return self.all_reduce_with(self.algorithm, nbytes, p) if self.levels(p) is not None \
+                else self._hierarchical_all_reduce(nbytes, p)
+        if self.levels(p) is not None:
+            return self.flat_all_reduce(nbytes, p)
         return ring_all_reduce(Link(self.alpha_for("all_reduce"), self.beta_for("all_reduce")), nbytes, p)
 
     def _hierarchical_all_reduce(self, nbytes: float, p: int) -> float:
@@ -175,7 +331,9 @@ class NetworkModel:
         t = 0.0
         if g > 1:  # reduce-scatter + all-gather inside the node
             t += 2 * ((g - 1) * self.intra.alpha_s + (g - 1) / g * nbytes * self.intra.beta_s_per_byte)
-        return t + ring_all_reduce(self.inter, nbytes / g, nodes)
+        # G inter-node rings of n/G at once: on a shared node NIC they add up to n
+        inter = Link(self.alpha_for("all_reduce"), self.beta_for("all_reduce") * self._nic_share(g))
+        return t + ring_all_reduce(inter, nbytes / g, nodes)
 
     def reduce_scatter(self, nbytes: float, p: int) -> float:
         """``nbytes`` is the full input tensor (each worker keeps 1/P of the result)."""
@@ -212,67 +370,8 @@ def collective_wire_bytes(collective: str, payload: int, p: int) -> int:
     return wire_bytes(collective, payload, p)
 
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)(?:/s)?\s*$", re.I)
-_SCALE = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# the --net / --intra parsers live in :mod:`lowcomm.sim.netspec` (one job each); re-exported here
+from lowcomm.sim.netspec import parse_intra, parse_network, parse_rate  # noqa: E402
 
-
-def parse_rate(text: str) -> float:
-    """``"500mbit"`` -> 5e8 bits/s."""
-    m = _RATE.match(text)
-    if not m:
-        raise UsageError(f"bad network rate {text!r}; use e.g. 100mbit, 1gbit, 10gbit")
-    rate = float(m.group(1)) * _SCALE[m.group(2).lower()]
-    if not math.isfinite(rate) or rate <= 0:
-        raise UsageError(f"network rate must be a finite number > 0, got {text!r}")
-    return rate
-
-
-def _parse_seconds(key: str, text: str) -> float:
-    m = re.match(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)?\s*$", text)
-    if not m:
-        raise UsageError(f"bad {key}={text!r}; use e.g. {key}=0.5ms or {key}=20us")
-    unit = {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-3}[m.group(2)]
-    return float(m.group(1)) * unit
-
-
-def parse_network(spec: str) -> NetworkModel:
-    """Parse ``--net``: ``PRESET|RATE[,delay=MS][,alpha=T][,algo=ring|tree][,intra=PRESET,gpus_per_node=G]``.
-
-    ``delay`` is a one-way delay as given to ``tc netem`` (the emulated cluster's flag) and
-    becomes α; ``alpha`` sets α directly. ``intra=`` with ``gpus_per_node=`` switches to the
-    hierarchical all-reduce.
-    """
-    head, *opts = [s.strip() for s in spec.split(",") if s.strip()] or [""]
-    if not head:
-        raise UsageError("empty --net; valid presets: " + ", ".join(PRESETS))
-    key = PRESET_ALIASES.get(head.lower(), head.lower())
-    if key in PRESETS:
-        link = PRESETS[key]
-    else:
-        link = _link(parse_rate(head), 50e-6)
-    algo, intra, gpn = "ring", None, 1
-    for opt in opts:
-        k, sep, v = (s.strip() for s in opt.partition("="))
-        if not sep:
-            raise UsageError(f"network option {opt!r} must look like key=value")
-        if k in ("delay", "alpha"):
-            link = replace(link, alpha_s=_parse_seconds(k, v))
-        elif k == "algo":
-            algo = v
-        elif k == "intra":
-            intra = NetworkModel.preset(v).inter
-        elif k == "gpus_per_node":
-            try:
-                gpn = int(v)
-            except ValueError:
-                raise UsageError(f"gpus_per_node must be an integer, got {v!r}") from None
-        else:
-            raise UsageError(f"unknown network option {k!r}; valid: delay, alpha, algo, intra, "
-                             "gpus_per_node")
-    if gpn < 1:
-        raise UsageError(f"gpus_per_node must be >= 1, got {gpn}")
-    if intra is not None and algo == "ring":
-        algo = "hierarchical"
-        if gpn < 2:
-            gpn = 8
-    return NetworkModel(inter=link, algorithm=algo, intra=intra, gpus_per_node=gpn, name=spec)
+__all__ = ["ALGORITHMS", "INTRA_PRESETS", "NICS", "PRESETS", "PRESET_ALIASES", "SCOPES", "Link", "NetworkModel",
+           "collective_wire_bytes", "parse_intra", "parse_network", "parse_rate", "ring_all_reduce"]

@@ -32,6 +32,8 @@ class Prediction:
     breakdown_s: dict[str, float]
     wire_bytes_per_worker: float
     network: dict[str, Any] = field(default_factory=dict)
+    #: of ``wire_bytes_per_worker``, what crosses inter-node links (accounting's link classes)
+    inter_node_bytes_per_worker: float = 0.0
     warnings: list[str] = field(default_factory=list)
     timeline: Timeline | None = field(default=None, repr=False)
 
@@ -44,6 +46,7 @@ class Prediction:
             "samples_per_s": self.samples_per_s,
             "breakdown_s": dict(self.breakdown_s),
             "wire_bytes_per_worker": self.wire_bytes_per_worker,
+            "inter_node_bytes_per_worker": self.inter_node_bytes_per_worker,
             "network": dict(self.network),
             "warnings": list(self.warnings),
         }
@@ -105,6 +108,7 @@ def predict_iteration_time(profile: Profile, method_spec: str, *, workers: int,
         samples_per_s=sim.p * used.batch_size / iter_time if iter_time > 0 else float("inf"),
         breakdown_s=breakdown,
         wire_bytes_per_worker=sum(t.wire_bytes for t in steady) / n,
+        inter_node_bytes_per_worker=sum(t.inter_bytes for t in steady) / n,
         network=network.describe(),
         warnings=warnings,
         timeline=tl,

@@ -189,9 +189,12 @@ def measure_costs(device: torch.device | str = "cpu", *, n: int = 1 << 21) -> Co
 
 
 def _received(msg: Message, world: int) -> torch.Tensor:
-    """What ``msg``'s collective would deliver among ``world`` identical workers."""
+    """What ``msg``'s collective would deliver among ``world`` identical workers (one node: a
+    scoped message runs on all of them, the transport's flat fallback)."""
     if msg.collective == "all_gather":
         return msg.buf[: msg.numel].unsqueeze(0).expand(world, -1).contiguous()
+    if msg.collective == "reduce_scatter":  # this worker's chunk of the sum
+        return msg.buf[: msg.numel // world].clone()
     return msg.buf.clone()
 
 

@@ -29,6 +29,8 @@ class Task:
     start: float
     end: float
     wire_bytes: int = 0
+    #: of ``wire_bytes``, what crosses inter-node links (the accounting layer's link classes)
+    inter_bytes: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -56,12 +58,13 @@ class Timeline:
         iteration: int,
         after: Iterable[Task | None] = (),
         wire_bytes: int = 0,
+        inter_bytes: float = 0.0,
     ) -> Task:
         """Append a task: it starts when its stream is free and every ``after`` task has ended."""
         if stream not in self._free:
             raise ValueError(f"unknown stream {stream!r}")
         start = max([self._free[stream], *(t.end for t in after if t is not None)])
-        task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes)
+        task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes)
         self._free[stream] = task.end
         self.tasks.append(task)
         return task

@@ -31,6 +31,12 @@ AMP: :meth:`CodecHook.attach_scaler` gives the hook the GradScaler; for a
 :attr:`~lowcomm.compress.codec.Codec.stateful` codec the bucket is divided by the loss scale
 before encoding (state in unscaled units, :mod:`lowcomm.comm.amp`) and the decoded mean is
 multiplied by it again; stateless casts keep the scaled values, the range the scaler chose.
+
+Hierarchical all-reduce (``lowcomm.hooks.register(..., hierarchical=True)``): with a
+:attr:`CodecHook.reducer` (:class:`lowcomm.comm.hierarchical.HierarchicalReducer`) every
+all-reduce, the warm-up mean and a ``SUM`` codec's messages alike, runs as an intra-node
+reduce-scatter, an inter-node all-reduce and an intra-node all-gather on the reducer's
+communication thread, in bucket order (or flat, per bucket, in hybrid mode).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from torch import nn
 
 from lowcomm.comm import accounting, transport
 from lowcomm.comm.amp import current_scale
+from lowcomm.comm.topology import Topology
 from lowcomm.compress.codec import Codec, Layout
 from lowcomm.compress.feedback import StepFlags, finite_flag, warn_nonfinite
 from lowcomm.runtime import timing
@@ -65,13 +72,17 @@ class CodecHook:
     :meth:`state_dict`."""
 
     def __init__(self, ddp: nn.Module, name: str, options: Any, codec: Codec | None, *,
-                 process_group: dist.ProcessGroup | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, reducer: Any = None) -> None:
         self.name = name
+        #: sums all-reduces hierarchically (see module docstring); None: the plain all-reduce
+        self.reducer = reducer
         self.options = options
         self.codec = codec
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.topology: Topology | None = None
+        self.use_topology(accounting.topology() if process_group is None else None)
         self._step = 0  # ssgd's own count (a codec counts its steps itself)
         #: optional ``torch.amp.GradScaler``: stateful codecs then work in unscaled units
         self.scaler: torch.amp.GradScaler | None = None
@@ -82,6 +93,13 @@ class CodecHook:
         named = list(getattr(ddp, "module", ddp).named_parameters())
         self._param_name = {id(p): n for n, p in named}
         self.param_index = {n: i for i, (n, _) in enumerate(named)}
+
+    def use_topology(self, topology: Topology | None) -> None:
+        """The node layout scoped codec messages (hitopk's intra/inter) run on, also handed to
+        the codec (``set_topology``, where it has one). None: one node (on a subgroup, too)."""
+        self.topology = topology
+        if self.codec is not None and hasattr(self.codec, "set_topology"):
+            self.codec.set_topology(topology)
 
     @property
     def step(self) -> int:
@@ -122,8 +140,9 @@ class CodecHook:
             finite = finite_flag(buf)  # device flag: no host sync inside backward
             codec.accumulate(buf, layout, finite)  # buf <- velocity (no-op without one)
             msg = codec.encode(buf, layout, finite)
-        msg = transport.run_rounds(codec, msg, group=self.group, tag=self.name)
-        pending = transport.start(msg, group=self.group, tag=self.name)
+        msg = transport.run_rounds(codec, msg, group=self.group, tag=self.name, topology=self.topology,
+                                   reducer=self.reducer)
+        pending = transport.start(msg, group=self.group, tag=self.name, topology=self.topology, reducer=self.reducer)
 
         def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
             t0 = time.perf_counter()
@@ -152,7 +171,10 @@ class CodecHook:
     def allreduce_mean(self, buf: torch.Tensor, *, tag: str) -> Future[torch.Tensor]:
         """Plain mean all-reduce (what DDP does), counted under ``tag``."""
         world = self.world
-        work = accounting.all_reduce(buf, group=self.group, async_op=True, tag=tag)
+        if self.reducer is not None and world > 1:
+            work = self.reducer.start(buf, tag=tag)
+        else:
+            work = accounting.all_reduce(buf, group=self.group, async_op=True, tag=tag)
 
         def mean(fut: Future[Any]) -> torch.Tensor:
             out = fut.value()[0].div_(world)

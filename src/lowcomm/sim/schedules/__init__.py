@@ -12,6 +12,9 @@ order the training code issues them, with the same overlap rules as the code:
   by the α-β rule), ``dear`` (reduce-scatter in backward, all-gathers hidden behind the next
   forward), ``lee18`` (sharded update, parameters all-gathered in the next forward); each
   takes ``compress=<codec>`` with the codec's own options beside the engine's.
+* ``hier`` (:mod:`.hier`): engine groups whose all-reduce is flat, hierarchical or hybrid on
+  the network's two-level topology; codec rounds with a ``scope`` run on their node-level
+  group (:meth:`~lowcomm.sim.network.NetworkModel.scoped`).
 
 Why no list of compressors here: a method named like a registered codec
 (:data:`lowcomm.compress.codec.CODECS`) is the DDP schedule carrying that codec, so a new
@@ -29,10 +32,11 @@ from lowcomm.sim.schedules.base import MIB, Bucket, GradTensor, Schedule, Sim, d
 from lowcomm.sim.schedules.codec import CodecPlan
 from lowcomm.sim.schedules.ddp import SSGD, BucketSchedule, CodecSchedule, NoComm, Pufferfish
 from lowcomm.sim.schedules.engine import MGWFBP, WFBP, DeAR, Lee18, forward_groups, mgwfbp_groups
+from lowcomm.sim.schedules.hier import Hier
 
 #: schedules of the methods that are not a codec by itself
 SCHEDULES: dict[str, type[Schedule]] = {
-    cls.name: cls for cls in (SSGD, NoComm, Pufferfish, WFBP, MGWFBP, DeAR, Lee18)
+    cls.name: cls for cls in (SSGD, NoComm, Pufferfish, WFBP, MGWFBP, DeAR, Lee18, Hier)
 }
 
 
@@ -90,7 +94,7 @@ def make_schedule(method_spec: str) -> Schedule:
 
 __all__ = [
     "MIB", "SCHEDULES", "Bucket", "BucketSchedule", "CodecPlan", "CodecSchedule", "DeAR",
-    "GradTensor", "Lee18", "MGWFBP", "NoComm", "Pufferfish", "SSGD", "Schedule", "Sim", "WFBP",
+    "GradTensor", "Hier", "Lee18", "MGWFBP", "NoComm", "Pufferfish", "SSGD", "Schedule", "Sim", "WFBP",
     "ddp_buckets", "forward_groups", "layer_buckets", "make_schedule", "method_names",
     "mgwfbp_groups",
 ]

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lowcomm.compress.codec import Work
 from lowcomm.errors import check_positive
-from lowcomm.sim.network import NetworkModel, collective_wire_bytes
+from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.profile import Profile
 from lowcomm.sim.timeline import Task, Timeline
 
@@ -110,14 +110,22 @@ class Sim:
         return self.tl.add(name, "comm", seconds, kind="compress", iteration=it, after=after)
 
     def collective(self, name: str, collective: str, payload: int, it: int,
-                   after: Iterable[Task | None] = (), *, timed_bytes: int | None = None) -> Task:
+                   after: Iterable[Task | None] = (), *, timed_bytes: int | None = None,
+                   scope: str = "world", algorithm: str | None = None) -> Task:
         """One collective of ``payload`` bytes per worker (the accounting layer's convention).
 
         ``timed_bytes``: bytes that set its duration when they differ from what this worker
-        sends (a receive-only point-to-point round)."""
+        sends (a receive-only point-to-point round). ``scope``: the codec round's process
+        group (``world``, ``intra``, ``inter``; :meth:`NetworkModel.scoped`). ``algorithm``:
+        an all-reduce's algorithm when the method picks it (``flat``, ``hierarchical``,
+        ``hybrid``; the ``hier`` method), else the network model's."""
         p = self.p
         nbytes = payload if timed_bytes is None else timed_bytes
-        if collective == "all_reduce":
+        if collective == "all_reduce" and algorithm is not None and scope == "world":
+            t = self.net.all_reduce_with(algorithm, nbytes, p)
+        elif scope != "world":
+            t = self.net.scoped(collective, nbytes, p, scope)
+        elif collective == "all_reduce":
             t = self.net.all_reduce(nbytes, p)
         elif collective == "reduce_scatter":
             t = self.net.reduce_scatter(nbytes, p)
@@ -129,8 +137,12 @@ class Sim:
             t = self.net.point_to_point(nbytes) if p > 1 else 0.0
         else:
             raise ValueError(collective)
+        if algorithm is None:
+            algorithm = self.net.algorithm if self.net.algorithm in ("hierarchical", "hybrid") else "flat"
+        wire = self.net.wire_bytes_of(collective, payload, p, scope, algorithm)
+        inter = self.net.inter_bytes(collective, payload, p, scope, algorithm)
         return self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
-                           wire_bytes=collective_wire_bytes(collective, payload, p))
+                           wire_bytes=wire, inter_bytes=inter)
 
     def forward_layer(self, i: int, it: int, after: Iterable[Task | None] = ()) -> Task:
         """Layer ``i``'s forward on the compute stream."""

@@ -39,7 +39,7 @@ class CodecPlan:
         self.name = name
         self.cls = codec_class(name)
         self.options = options
-        self._by_world: dict[int, Codec] = {}
+        self._by_world: dict[tuple[int, int], Codec] = {}
 
     def check_pairing(self, mode: Mode, schedule: str) -> None:
         """Refuse an impossible schedule/codec pair with the engine's own reason
@@ -53,15 +53,26 @@ class CodecPlan:
         """Every worker's payload is decoded separately (no sum on the wire)."""
         return self.cls.aggregation is Aggregation.GATHER
 
-    def codec(self, world: int) -> Codec:
-        """The codec instance for ``world`` workers (built once)."""
-        if world not in self._by_world:
-            self._by_world[world] = self.cls(self.options, world=world).as_trained()
-        return self._by_world[world]
+    def codec(self, world: int, local_size: int | None = None) -> Codec:
+        """The codec instance for ``world`` workers (built once), told the node layout
+        (``local_size`` workers per node) when it plans by topology (``set_topology``)."""
+        key = (world, local_size or world)
+        if key not in self._by_world:
+            codec = self.cls(self.options, world=world).as_trained()
+            setter = getattr(codec, "set_topology", None)
+            if setter is not None:
+                from lowcomm.comm.topology import Topology
+
+                setter(Topology(world, local_size or world, 0))
+            self._by_world[key] = codec
+        return self._by_world[key]
 
     def cost(self, sim: Sim, b: Bucket, it: int) -> CodecCost:
-        """The declared cost of bucket ``b`` in iteration ``it`` (codec step ``it - 1``)."""
-        return self.codec(sim.p).cost(b.shapes, world=sim.p, dtype_bytes=sim.bpe, step=it - 1)
+        """The declared cost of bucket ``b`` in iteration ``it`` (codec step ``it - 1``), on the
+        network's node layout when it has two levels."""
+        lv = sim.net.levels(sim.p)
+        return self.codec(sim.p, lv[1] if lv else None).cost(b.shapes, world=sim.p, dtype_bytes=sim.bpe,
+                                                             step=it - 1)
 
     def encode_s(self, sim: Sim, b: Bucket, cost: CodecCost) -> float:
         """Seconds of the encode: measured if the profile has it, else the priced work."""
@@ -79,9 +90,10 @@ class CodecPlan:
         return sim.price(last.then)
 
     def hook(self, sim: Sim, it: int, b: Bucket, ready: Task, *, last_as: str | None = None,
-             defer: bool = False) -> tuple[Task, CodecCost]:
+             defer: bool = False, algorithm: str | None = None) -> tuple[Task, CodecCost]:
         """Issue bucket ``b``'s step: encode, every round, the decode in the final round's
-        callback; return the last task and the cost.
+        callback; return the last task and the cost. ``algorithm``: the all-reduce algorithm of
+        the world-scoped all-reduce rounds (the ``hier`` method's mode), else the network's.
 
         ``last_as``: the schedule carries the last (sum-compatible) round itself with this
         collective (DeAR/Lee'18: ``reduce_scatter``) and decodes later. ``defer``: the
@@ -99,7 +111,9 @@ class CodecPlan:
             if collective != "none":
                 recv = r.recv_nbytes  # a receive-only p2p round still takes time
                 last = sim.collective(f"{tag}.b{k}", collective, r.nbytes, it, after=[last],
-                                      timed_bytes=max(r.nbytes, recv or 0))
+                                      timed_bytes=max(r.nbytes, recv or 0),
+                                      scope=getattr(r, "scope", "world"),
+                                      algorithm=algorithm if collective == "all_reduce" else None)
             if final and (last_as or defer):
                 break
             seconds = self.decode_s(sim, b, r) if final else sim.price(r.then)
