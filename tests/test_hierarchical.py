@@ -51,7 +51,7 @@ def _two_nodes() -> Topology:
 
 
 # --- the collective ----------------------------------------------------------------------------
-def _sum_both_ways(numel: int, dtype: torch.dtype) -> tuple[float, float, dict[str, Any]]:
+def _sum_both_ways(numel: int, dtype: torch.dtype, piece_bytes: int = 4 << 20) -> tuple[float, float, dict[str, Any]]:
     topo = _two_nodes()
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(numel, generator=gen, dtype=torch.float64).to(dtype)
@@ -60,7 +60,7 @@ def _sum_both_ways(numel: int, dtype: torch.dtype) -> tuple[float, float, dict[s
     hier = x.clone()
     led = accounting.ledger()
     led.reset()
-    hierarchical_all_reduce(hier, topo, node_groups(topo), tag="h")
+    hierarchical_all_reduce(hier, topo, node_groups(topo), tag="h", piece_bytes=piece_bytes)
     exact = x.to(torch.float64).clone()
     dist.all_reduce(exact)
     return rel_err(hier, exact), rel_err(flat, exact), led.as_dict()
@@ -88,6 +88,30 @@ def test_ledger_bytes_per_link_follow_the_formulas() -> None:
         assert traffic["by_tag"]["h.ar"]["calls"] == 1
         # the flat ring's inter share is 1/G of 2(P-1)/P n: 1.5x the hierarchical one on 2 x 2
         assert inter * 1.5 == 2 * 3 * n // 4 // g
+
+
+def test_pipelined_pieces_sum_the_same_and_send_the_same_bytes() -> None:
+    # 1000 float32 elements in pieces of ~256 bytes: 16 pieces (the cap), each a multiple of G,
+    # one inter-node all-reduce in flight while the next piece is reduce-scattered
+    n_elems, piece = 1000, 256
+    results = run_distributed(_sum_both_ways, 4, n_elems, torch.float32, piece)
+    tol = tolerance(torch.float32, ops=4)
+    n, g, nodes = n_elems * 4, 2, 2
+    for hier_err, _, traffic in results:
+        assert hier_err <= tol
+        assert traffic["by_tag"]["h.rs"]["calls"] == traffic["by_tag"]["h.ar"]["calls"] == 16
+        assert traffic["by_tag"]["h.ag"]["calls"] == 16
+        assert traffic["by_link"]["intra"]["wire_bytes"] == 2 * (g - 1) * (n // g)
+        assert traffic["by_link"]["inter"]["wire_bytes"] == 2 * (nodes - 1) * (n // g) // nodes
+
+
+def test_pieces_are_multiples_of_the_node_size_and_cover_the_buffer() -> None:
+    from lowcomm.comm.hierarchical import MAX_PIECES, pieces_of
+
+    for numel, g, piece in ((1000, 2, 256), (1002, 3, 64), (8, 4, 1 << 20), (4 << 20, 4, 4 << 20)):
+        lengths = pieces_of(numel, 4, g, piece)
+        assert sum(lengths) == numel and all(n % g == 0 and n > 0 for n in lengths)
+        assert len(lengths) <= MAX_PIECES
 
 
 def _one_node() -> dict[str, Any]:

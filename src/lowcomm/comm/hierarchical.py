@@ -24,7 +24,10 @@ is what :func:`probe_link_costs` measures and what the ledger counts per worker)
 
 * flat: ``α_inter + max(β_inter·W/G, β_intra·W·(G-1)/G)`` with ``W = 2(P-1)/P·s`` (the ring
   crosses each node boundary once: ``1/G`` of a worker's bytes are inter, see accounting);
-* hierarchical: ``2·(α_intra + β_intra·(G-1)/G·s) + α_inter + β_inter·2(N-1)/N·s/G``.
+* hierarchical, pipelined in ``K`` pieces of ``c = s/K`` (about :data:`PIPELINE_BYTES` each):
+  ``2·stage(c) + K·max(α_inter + β_inter·2(N-1)/N·c/G, 2·stage(c))`` with
+  ``stage(c) = α_intra + β_intra·(G-1)/G·c`` (one piece crosses the nodes while the next
+  is reduce-scattered and the previous all-gathered inside the node).
 
 :func:`choose` picks the cheaper one per fused buffer, from the buffer's size and the four
 numbers only; those are pinned by the user or probed once and averaged over all ranks, so
@@ -41,6 +44,7 @@ caller's world group, issued asynchronously from the caller's thread as before.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 from dataclasses import dataclass
@@ -62,14 +66,35 @@ def _padded(n: int, k: int) -> int:
     return -(-n // k) * k
 
 
+#: pipeline granularity of :func:`hierarchical_all_reduce`: a buffer is cut into pieces of
+#: about this size so that one piece's inter-node all-reduce runs while the next piece is
+#: reduce-scattered and the previous one all-gathered inside the node
+PIPELINE_BYTES = 4 << 20
+#: at most this many pieces per buffer (each costs three start-ups)
+MAX_PIECES = 16
+
+
+def pieces_of(numel: int, element_size: int, g: int, piece_bytes: int = PIPELINE_BYTES) -> list[int]:
+    """Lengths of the pieces a padded buffer of ``numel`` elements (a multiple of ``g``) is cut
+    into: each a multiple of ``g``, about ``piece_bytes`` each, at most :data:`MAX_PIECES`."""
+    count = max(1, min(MAX_PIECES, -(-numel * element_size // max(1, piece_bytes)), numel // g))
+    step = _padded(-(-numel // count), g)
+    return [min(step, numel - start) for start in range(0, numel, step)]
+
+
 def hierarchical_all_reduce(flat: torch.Tensor, topo: Topology, groups: NodeGroups | None = None, *,
-                            tag: str = "hier") -> None:
+                            tag: str = "hier", piece_bytes: int = PIPELINE_BYTES) -> None:
     """Sum ``flat`` over all workers in place: intra reduce-scatter, inter all-reduce, intra
     all-gather (module docstring), counted under ``<tag>.rs``, ``<tag>.ar``, ``<tag>.ag``.
 
-    ``groups``: :func:`~lowcomm.comm.topology.node_groups` of ``topo`` (made here when None;
-    that is collective). A topology that is not hierarchical runs one flat all-reduce under
-    ``tag`` on the world group. Synchronous; see :class:`HierarchicalReducer` for overlap.
+    Pipelined: the buffer is cut into pieces of about ``piece_bytes`` (:func:`pieces_of`);
+    piece ``i``'s inter-node all-reduce is in flight while piece ``i+1`` is reduce-scattered
+    and piece ``i-1`` all-gathered inside the node (different process groups, so the two
+    links work at once; the order of calls on each group is the same on every rank). Bytes
+    per link are those of the unpipelined form. ``groups``:
+    :func:`~lowcomm.comm.topology.node_groups` of ``topo`` (made here when None; that is
+    collective). A topology that is not hierarchical runs one flat all-reduce under ``tag``
+    on the world group. Synchronous; see :class:`HierarchicalReducer` for overlap with backward.
     """
     if not (dist.is_available() and dist.is_initialized()) or topo.world == 1:
         return
@@ -83,10 +108,23 @@ def hierarchical_all_reduce(flat: torch.Tensor, topo: Topology, groups: NodeGrou
     buf = flat.view(-1) if contiguous else flat.new_zeros(_padded(n, g))
     if not contiguous:
         buf[:n].copy_(flat.reshape(-1))
-    chunk = buf.new_empty(buf.numel() // g)
-    accounting.reduce_scatter_tensor(chunk, buf, group=groups.intra, tag=f"{tag}.rs", link="intra")
-    accounting.all_reduce(chunk, group=groups.inter, tag=f"{tag}.ar", link="inter")
-    accounting.all_gather_into_tensor(buf, chunk, group=groups.intra, tag=f"{tag}.ag", link="intra")
+    pieces = list(buf.split(pieces_of(buf.numel(), buf.element_size(), g, piece_bytes)))
+    shards = [p.new_empty(p.numel() // g) for p in pieces]
+
+    def scatter(i: int) -> None:
+        accounting.reduce_scatter_tensor(shards[i], pieces[i], group=groups.intra, tag=f"{tag}.rs", link="intra")
+
+    gathers = []
+    scatter(0)
+    for i in range(len(pieces)):
+        summed = accounting.all_reduce(shards[i], group=groups.inter, async_op=True, tag=f"{tag}.ar", link="inter")
+        if i + 1 < len(pieces):
+            scatter(i + 1)  # inside the node while piece i crosses the nodes
+        summed.wait()
+        gathers.append(accounting.all_gather_into_tensor(pieces[i], shards[i], group=groups.intra, async_op=True,
+                                                         tag=f"{tag}.ag", link="intra"))
+    for work in gathers:
+        work.wait()
     if not contiguous:
         flat.copy_(buf[:n].view_as(flat))
 
@@ -119,10 +157,16 @@ def flat_time(nbytes: float, topo: Topology, costs: LinkCosts) -> float:
 
 
 def hier_time(nbytes: float, topo: Topology, costs: LinkCosts) -> float:
-    """Predicted seconds of the hierarchical all-reduce of ``nbytes`` (module docstring)."""
+    """Predicted seconds of the pipelined hierarchical all-reduce of ``nbytes`` (module
+    docstring): ``K`` pieces of ``c = nbytes/K``; the first reduce-scatter and the last
+    all-gather are exposed, in between each step takes the longer of a piece's inter-node
+    all-reduce and its two intra-node stages."""
     n, g = topo.nodes, topo.local_size
-    stage = costs.intra.alpha + costs.intra.beta * (g - 1) / g * nbytes
-    return 2 * stage + costs.inter.alpha + costs.inter.beta * 2 * (n - 1) / n * nbytes / g
+    k = max(1, min(MAX_PIECES, math.ceil(nbytes / PIPELINE_BYTES)))
+    c = nbytes / k
+    stage = costs.intra.alpha + costs.intra.beta * (g - 1) / g * c
+    inter = costs.inter.alpha + costs.inter.beta * 2 * (n - 1) / n * c / g
+    return 2 * stage + k * max(inter, 2 * stage)
 
 
 def choose(nbytes: float, topo: Topology, costs: LinkCosts | None, mode: str) -> str:
@@ -140,7 +184,7 @@ def choose(nbytes: float, topo: Topology, costs: LinkCosts | None, mode: str) ->
 
 
 def probe_link_costs(topo: Topology, groups: NodeGroups | None = None, *, device: torch.device | None = None,
-                     small_bytes: int = 4096, large_bytes: int = 1 << 20, tag: str = "hier.probe") -> LinkCosts:
+                     small_bytes: int = 4096, large_bytes: int = PIPELINE_BYTES, tag: str = "hier.probe") -> LinkCosts:
     """Measure α and β of both links with all-reduces on the intra groups (all nodes at once),
     then on the inter groups (all local ranks at once); averaged over every rank, so every
     rank gets the same numbers. β is converted to seconds per byte a worker sends (the
