@@ -16,7 +16,7 @@ without waiting for the GPU, and it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,3 +140,28 @@ def check_hyper(name: str, *, lr: float, weight_decay: float, eps: float, **rang
     for key, (value, low, high) in ranges.items():
         if not (math.isfinite(value) and low <= value < high):
             raise UsageError(f"{name}: {key} must be in [{low:g}, {high:g}), got {value!r}")
+
+
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """What LARS and LAMB share: ``step`` runs each param group either on the multi-tensor
+    path (``foreach=True``) or the per-parameter reference loop; subclasses give both."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One update of every parameter with a gradient; ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["foreach"]:
+                self._step_foreach(group)
+            else:
+                self._step_loop(group)
+        return loss
+
+    def _step_foreach(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _step_loop(self, group: dict[str, Any]) -> None:
+        raise NotImplementedError

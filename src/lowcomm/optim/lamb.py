@@ -16,17 +16,16 @@ so, as in :class:`~lowcomm.optim.lars.LARS`, the multi-tensor path has no host s
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lowcomm.errors import UsageError
-from lowcomm.optim.adaptive import buckets, check_hyper, is_adapted, norm, norms, trust_ratios
+from lowcomm.optim.adaptive import LayerwiseOptimizer, buckets, check_hyper, is_adapted, norm, norms, trust_ratios
 from lowcomm.optim.lars import ParamsT
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(LayerwiseOptimizer):
     """Adam moments with a layer-wise trust ratio.
 
     Args:
@@ -72,20 +71,6 @@ class LAMB(torch.optim.Optimizer):
             s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return s
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One update of every parameter with a gradient; ``closure`` re-evaluates the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["foreach"]:
-                self._step_foreach(group)
-            else:
-                self._step_loop(group)
-        return loss
 
     def _step_foreach(self, group: dict[str, Any]) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]

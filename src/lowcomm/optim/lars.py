@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from lowcomm.errors import UsageError
-from lowcomm.optim.adaptive import buckets, check_hyper, is_adapted, norm, norms, trust_ratios
+from lowcomm.optim.adaptive import LayerwiseOptimizer, buckets, check_hyper, is_adapted, norm, norms, trust_ratios
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
 
-class LARS(torch.optim.Optimizer):
+class LARS(LayerwiseOptimizer):
     """SGD with momentum and a layer-wise trust ratio.
 
     Args:
@@ -73,20 +73,6 @@ class LARS(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, eta=eta, eps=eps,
                         nesterov=nesterov, exclude_1d=exclude_1d, trust_clip=trust_clip, foreach=foreach)
         super().__init__(params, defaults)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """One update of every parameter with a gradient; ``closure`` re-evaluates the loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["foreach"]:
-                self._step_foreach(group)
-            else:
-                self._step_loop(group)
-        return loss
 
     def _buffer(self, p: torch.Tensor) -> torch.Tensor:
         """The momentum buffer of ``p``, zeros at first (``m * 0 + d = d``: torch SGD's start)."""
