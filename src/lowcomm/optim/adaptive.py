@@ -16,7 +16,8 @@ without waiting for the GPU, and it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from abc import ABCMeta, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,17 +67,24 @@ class Bucket:
 CPU_BUCKET_BYTES = 4 << 20
 
 
+def dense_grads(group: dict[str, Any], name: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter, gradient)`` for the group's parameters that have a gradient; a sparse
+    gradient is refused (the trust ratio needs the whole tensor's norm)."""
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise UsageError(f"{name} does not support sparse gradients (use a dense embedding, or SGD)")
+        yield p, p.grad
+
+
 def buckets(group: dict[str, Any], exclude_1d: bool, name: str) -> list[Bucket]:
     """The group's parameters that have a gradient, bucketed by (device, dtype) -- one
     ``_foreach`` call per bucket takes the fast path (one kernel launch per op on CUDA) -- and
     on CPU into chunks of about :data:`CPU_BUCKET_BYTES`."""
     out: dict[tuple[torch.device, torch.dtype], list[Bucket]] = {}
     sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-    for p in group["params"]:
-        if p.grad is None:
-            continue
-        if p.grad.is_sparse:
-            raise UsageError(f"{name} does not support sparse gradients (use a dense embedding, or SGD)")
+    for p, g in dense_grads(group, name):
         key = (p.device, p.dtype)
         nbytes = p.numel() * p.element_size()
         chain = out.setdefault(key, [Bucket()])
@@ -86,7 +94,7 @@ def buckets(group: dict[str, Any], exclude_1d: bool, name: str) -> list[Bucket]:
         b = chain[-1]
         sizes[key] = sizes.get(key, 0) + nbytes
         b.params.append(p)
-        b.grads.append(p.grad)
+        b.grads.append(g)
         b.adapted.append(is_adapted(group, p, exclude_1d))
     return [b for chain in out.values() for b in chain]
 
@@ -142,7 +150,7 @@ def check_hyper(name: str, *, lr: float, weight_decay: float, eps: float, **rang
             raise UsageError(f"{name}: {key} must be in [{low:g}, {high:g}), got {value!r}")
 
 
-class LayerwiseOptimizer(torch.optim.Optimizer):
+class LayerwiseOptimizer(torch.optim.Optimizer, metaclass=ABCMeta):
     """What LARS and LAMB share: ``step`` runs each param group either on the multi-tensor
     path (``foreach=True``) or the per-parameter reference loop; subclasses give both."""
 
@@ -160,8 +168,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                 self._step_loop(group)
         return loss
 
+    @abstractmethod
     def _step_foreach(self, group: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """The update of ``group`` on torch's multi-tensor kernels."""
 
+    @abstractmethod
     def _step_loop(self, group: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """The same update, one parameter at a time (the reference)."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lowcomm.errors import UsageError
-from lowcomm.optim.adaptive import LayerwiseOptimizer, buckets, check_hyper, is_adapted, norm, norms, trust_ratios
+from lowcomm.optim.adaptive import LayerwiseOptimizer, buckets, dense_grads, check_hyper, is_adapted, norm, norms, trust_ratios
 from lowcomm.optim.lars import ParamsT
 
 
@@ -115,12 +115,7 @@ class LAMB(LayerwiseOptimizer):
     def _step_loop(self, group: dict[str, Any]) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
-            if g.is_sparse:
-                raise UsageError("LAMB does not support sparse gradients (use a dense embedding, or SGD)")
+        for p, g in dense_grads(group, "LAMB"):
             s = self._state(p)
             s["step"].add_(1.0)
             s["exp_avg"].lerp_(g, 1 - beta1)

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from lowcomm.errors import UsageError
-from lowcomm.optim.adaptive import LayerwiseOptimizer, buckets, check_hyper, is_adapted, norm, norms, trust_ratios
+from lowcomm.optim.adaptive import LayerwiseOptimizer, buckets, dense_grads, check_hyper, is_adapted, norm, norms, trust_ratios
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 
@@ -112,12 +112,7 @@ class LARS(LayerwiseOptimizer):
 
     def _step_loop(self, group: dict[str, Any]) -> None:
         lr, mom, wd = group["lr"], group["momentum"], group["weight_decay"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad
-            if g.is_sparse:
-                raise UsageError("LARS does not support sparse gradients (use a dense embedding, or SGD)")
+        for p, g in dense_grads(group, "LARS"):
             if is_adapted(group, p, group["exclude_1d"]):
                 (trust,) = trust_ratios([norm(p)], [norm(g)], group["eta"], wd, group["eps"], group["trust_clip"])
                 d = g.add(p, alpha=wd).mul_(trust) if wd else g.mul(trust)
