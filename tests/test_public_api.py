@@ -56,3 +56,14 @@ def test_lowcomm_help_imports_neither_the_test_helpers_nor_torch_dynamo() -> Non
         "assert not bad, bad\n"
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_lowcomm_fl_launcher_does_not_import_torch() -> None:
+    # the launcher of `lowcomm fl` only starts and watches workers: torch there would add
+    # ~220 MB to the memory of all processes that the run reports
+    out = _python(
+        "import sys\nfrom lowcomm.cli import build_parser\nimport lowcomm.fl, lowcomm.fl.memory\n"
+        "build_parser('fl')\nassert 'torch' not in sys.modules\n"
+        "assert callable(lowcomm.fl.register_algorithm) and 'torch' in sys.modules\n"
+    )
+    assert out.returncode == 0, out.stderr

@@ -21,6 +21,7 @@ SUBMODULES: frozenset[str] = frozenset({
     "compress",   # payload axis: compressors, error feedback (pure tensor math)
     "data",       # dataset registry: lowcomm.data.create(name, ...)
     "errors",     # UsageError and argument checks
+    "fl",         # federated simulation: lowcomm fl, algorithms, client state store
     "hooks",      # lowcomm.hooks.register(ddp_model, method, **options)
     "lowrank",    # model axis: lowcomm.lowrank.factorize(model, ...)
     "methods",    # the --method registry: lowcomm.methods.create("acpsgd:rank=4")

@@ -22,7 +22,15 @@ COMMAND_MODULES = [
     "lowcomm.bench.cli",  # bench
     "lowcomm.sim.cli",  # profile, simulate, advise
     "lowcomm.lowrank.cli",  # lowrank summary
+    "lowcomm.fl.cli",  # fl
 ]
+#: which module registers each command: ``lowcomm CMD ...`` imports only that one, so a
+#: launcher that only starts workers (``fl``) does not load torch (~220 MB) for nothing.
+COMMAND_OWNERS = {
+    "train": "lowcomm.runtime.train_cli", "demo": "lowcomm.runtime.train_cli",
+    "bench": "lowcomm.bench.cli", "profile": "lowcomm.sim.cli", "simulate": "lowcomm.sim.cli",
+    "advise": "lowcomm.sim.cli", "lowrank": "lowcomm.lowrank.cli", "fl": "lowcomm.fl.cli",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,15 +38,22 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``lowcomm`` parser; each tool module registers its subcommand (a missing optional tool is skipped)."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``lowcomm`` parser; each tool module registers its subcommand (a missing optional tool is skipped).
+
+    ``command``: build only what that command needs (its owner in :data:`COMMAND_OWNERS`);
+    unknown or None: every command (help, and argparse's "invalid choice" message).
+    """
     parser = _Parser(
         prog="lowcomm",
         description="Communication-efficient distributed training on PyTorch.",
     )
     parser.add_argument("--version", action="version", version=f"lowcomm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    owner = COMMAND_OWNERS.get(command or "")
     for name in COMMAND_MODULES:
+        if owner is not None and name != owner:
+            continue
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -52,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """``lowcomm ...``: bad input is one ``lowcomm: error:`` line and exit code 2, never a traceback."""
     try:
-        parser = build_parser()
         argv = list(sys.argv[1:] if argv is None else argv)
+        parser = build_parser(argv[0] if argv else None)
         args = parser.parse_args(argv)
         args._argv = argv
         if not getattr(args, "func", None):

@@ -7,7 +7,8 @@ collective kind and per tag (e.g. ``"powersgd.P"``):
 * ``wire_bytes`` — bytes this worker sends on the wire under the bandwidth-optimal ring
   algorithm: all-reduce ``2(P-1)/P·n``, reduce-scatter ``(P-1)/P·n`` (n = full input),
   all-gather ``(P-1)·n_local``, broadcast ``n`` on the source and 0 elsewhere,
-  all-to-all ``(P-1)/P·n``, point-to-point (``"p2p"``, e.g. gTop-k) ``n`` on the sender
+  all-to-all ``(P-1)/P·n``, reduce to one rank ``n`` on every other rank and ``(P-1)/P·n``
+  on the destination, point-to-point (``"p2p"``, e.g. gTop-k) ``n`` on the sender
   (receives are not counted). With ``P == 1`` nothing is sent.
 
 ``bytes_sent_per_worker`` in every summary is the sum of ``wire_bytes``. The formulas are the
@@ -85,6 +86,10 @@ def wire_bytes(collective: str, payload: int, world_size: int, *, is_src: bool =
         return (p - 1) * payload
     if collective == "broadcast":
         return payload if is_src else 0
+    if collective == "reduce":
+        # reduce-scatter then gather of the chunks at the root: a non-root sends
+        # (P-1)/P·n + n/P = n, the root only its reduce-scatter share
+        return payload if is_src else (p - 1) * payload // p
     if collective == "p2p":
         return payload
     raise ValueError(f"unknown collective {collective!r}")
@@ -99,7 +104,7 @@ def _record(collective: str, tag: str, payload: int, group: dist.ProcessGroup | 
 
 def _counted(
     kind: str, *, tensors: tuple[str, ...], payload: str | None = None, src: str | None = None,
-    peer: str | None = None,
+    dst: str | None = None, peer: str | None = None,
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator for the wrappers below: the one place that checks and counts a collective.
 
@@ -107,7 +112,8 @@ def _counted(
     ``tensors`` (a list argument counts each element) are checked against the group's backends
     (:func:`_check`), then the bytes of the argument named ``payload`` are recorded under
     ``kind`` and the call's ``tag`` (nothing is recorded without ``payload``: receives). With
-    ``src``, the argument of that name is the sending rank (broadcast: only the source sends).
+    ``src``, the argument of that name is the sending rank (broadcast: only the source sends);
+    with ``dst``, the receiving rank (reduce: every other rank sends).
     Arguments are matched by name, so each wrapper keeps its own signature. The keyword
     ``link`` of every wrapper and the argument named ``peer`` (a point-to-point partner's
     global rank) choose the link class (module docstring).
@@ -121,7 +127,8 @@ def _counted(
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             arg = bound.arguments
-            is_src = src is None or (dist.get_rank() if dist.is_initialized() else 0) == arg[src]
+            me = dist.get_rank() if dist.is_initialized() else 0
+            is_src = (src is None or me == arg[src]) and (dst is None or me != arg[dst])
             checked: list[torch.Tensor] = []
             for name in tensors:
                 value = arg[name]
@@ -216,6 +223,14 @@ def broadcast(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = 
               tag: str = "broadcast", link: str | None = None) -> Any:
     """:func:`torch.distributed.broadcast`, checked and counted (bytes on the source only)."""
     return dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+@_counted("reduce", tensors=("tensor",), payload="tensor", dst="dst")
+def reduce(tensor: torch.Tensor, dst: int, op: Any = dist.ReduceOp.SUM, group: dist.ProcessGroup | None = None,
+           async_op: bool = False, *, tag: str = "reduce", link: str | None = None) -> Any:
+    """:func:`torch.distributed.reduce` to ``dst``, checked and counted (the federated round's one
+    aggregation: every worker's local sum to the server rank)."""
+    return dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op)
 
 
 @_counted("all_to_all", tensors=("output", "input"), payload="input")

@@ -2,12 +2,14 @@
 
 ``lowcomm.data.create("cifar10", data_dir="~/data")`` returns train/test datasets yielding
 ``(x, y)`` pairs plus what the trainer needs to pick model and loss (task, classes or
-vocabulary, per-sample input shape) and an optional *batch-level* training augmentation.
+vocabulary, per-sample input shape, the users of federated data) and an optional
+*batch-level* training augmentation.
 
 Datasets: ``mnist1d`` (the embedded default: generated offline, cached), ``digits``
 (scikit-learn), ``cifar10``/``cifar100`` (python pickle batches), ``imagefolder`` (PNG/JPEG
-class folders, loaded lazily), ``wikitext2`` (word-level LM) and ``synthetic`` (random
-tensors, for timing only). File formats and locations: ``docs/data.md``.
+class folders, loaded lazily), ``wikitext2`` (word-level LM), ``leaf`` (LEAF's federated
+JSON, with users) and ``synthetic`` (random tensors, for timing only). File formats and
+locations: ``docs/data.md``.
 
 Why augmentation is a batch function and not a per-sample transform: in-memory datasets are
 indexed in bulk, and tensor ops on a whole batch run on the training device (CUDA included)
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+import numpy as np
 from torch import Tensor
 from torch.utils.data import Dataset
 
@@ -52,6 +55,9 @@ class DataBundle:
     train_transform: Callable[[Tensor], Tensor] | None = None
     valid: Dataset | None = None
     classes: list[str] | None = None
+    #: one int user index per training sample where the data has users (``leaf``), for
+    #: ``lowcomm fl --partition natural``; ``None`` for data without users
+    users: np.ndarray | None = None
 
     @property
     def label(self) -> str:
@@ -77,6 +83,7 @@ DATASETS: Registry[DataBundle] = Registry(
         "lowcomm.data.imagefolder",
         "lowcomm.data.wikitext",
         "lowcomm.data.synthetic",
+        "lowcomm.data.leaf",
     ],
 )
 

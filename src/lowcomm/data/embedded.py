@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 from lowcomm.data import DataBundle, register_dataset
 from lowcomm.data.cache import cache_dir, load_or_create_npz
 
-MNIST1D_CACHE_VERSION = 1
+MNIST1D_CACHE_VERSION = 2
 
 
 def _mnist1d_args(num_samples: int | None) -> object:
@@ -48,18 +48,29 @@ def _generate_mnist1d(args: object) -> dict[str, np.ndarray]:
 
 
 def mnist1d_cache_path(data_dir: Path | None, num_samples: int | None = None) -> Path:
-    """Where the generated arrays for these arguments are cached."""
-    args = {k: v for k, v in vars(_mnist1d_args(num_samples)).items() if k != "url"}
-    digest = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()[:12]
+    """Where the generated arrays for these arguments are cached.
+
+    The key is the installed mnist1d release and ``num_samples`` (the only argument we
+    change; a release fixes its defaults), read without importing mnist1d: its import pulls
+    scipy and matplotlib (~3 s, ~75 MB per process), which every worker of a run paid just
+    to find the cached file.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("mnist1d")
+    except PackageNotFoundError:
+        release = "unknown"
+    key = {"mnist1d": release, "num_samples": num_samples}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir(data_dir) / f"mnist1d-v{MNIST1D_CACHE_VERSION}-{digest}.npz"
 
 
 @register_dataset("mnist1d")
 def mnist1d(*, data_dir: Path | None, seed: int, num_samples: int | None = None) -> DataBundle:
     """MNIST-1D, generated offline and cached as .npz (``num_samples`` defaults to 5000)."""
-    args = _mnist1d_args(num_samples)
     arrays = load_or_create_npz(mnist1d_cache_path(data_dir, num_samples),
-                                lambda: _generate_mnist1d(args))
+                                lambda: _generate_mnist1d(_mnist1d_args(num_samples)))
     train = TensorDataset(torch.from_numpy(arrays["x"]), torch.from_numpy(arrays["y"]))
     test = TensorDataset(torch.from_numpy(arrays["x_test"]), torch.from_numpy(arrays["y_test"]))
     return DataBundle(name="mnist1d", train=train, test=test, task="classification",

@@ -51,7 +51,13 @@ def _accepted_kwargs(factory: Callable[..., nn.Module], kwargs: dict[str, Any]) 
 
 def build_model(cfg: TrainConfig, bundle: DataBundle) -> nn.Module:
     """Create the model sized to the data (classes / vocabulary / input width)."""
-    factory = model_registry.MODELS.get(cfg.model)
+    return model_for_data(cfg.model, cfg.model_args, bundle)
+
+
+def model_for_data(model: str, model_args: dict[str, Any], bundle: DataBundle) -> nn.Module:
+    """Model ``model`` sized to ``bundle`` (classes / vocabulary / input width); ``model_args``
+    win over what the data implies. Shared by ``train`` and ``fl``."""
+    factory = model_registry.MODELS.get(model)
     implied: dict[str, Any] = {}
     if bundle.task == "classification" and bundle.num_classes:
         implied["num_classes"] = bundle.num_classes
@@ -60,11 +66,11 @@ def build_model(cfg: TrainConfig, bundle: DataBundle) -> nn.Module:
     if bundle.input_shape:
         implied["input_dim"] = bundle.input_shape[0] if len(bundle.input_shape) == 1 else None
         implied = {k: v for k, v in implied.items() if v is not None}
-    kwargs = {**_accepted_kwargs(factory, implied), **cfg.model_args}
+    kwargs = {**_accepted_kwargs(factory, implied), **model_args}
     try:
-        return model_registry.create(cfg.model, **kwargs)
+        return model_registry.create(model, **kwargs)
     except TypeError as e:
-        raise UsageError(f"model {cfg.model!r} does not accept these arguments: {e}") from None
+        raise UsageError(f"model {model!r} does not accept these arguments: {e}") from None
 
 
 def task_of(model_name: str, bundle: DataBundle) -> str:

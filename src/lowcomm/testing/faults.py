@@ -44,9 +44,9 @@ class KillResult:
         return f"worker rank {self.rank} " in self.stderr
 
 
-def step_records(log_path: str | Path) -> list[dict[str, object]]:
-    """Complete ``"event": "step"`` records of a JSONL log being appended to (a torn last
-    line, written while we read, is skipped)."""
+def step_records(log_path: str | Path, event: str = "step") -> list[dict[str, object]]:
+    """Complete ``"event": EVENT`` records (``train``'s steps, ``fl``'s rounds) of a JSONL log
+    being appended to (a torn last line, written while we read, is skipped)."""
     try:
         text = Path(log_path).read_text()
     except FileNotFoundError:
@@ -59,7 +59,7 @@ def step_records(log_path: str | Path) -> list[dict[str, object]]:
             rec = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if rec.get("event") == "step":
+        if rec.get("event") == event:
             records.append(rec)
     return records
 
@@ -117,20 +117,25 @@ def run_and_kill(
     start_timeout_s: float = 300.0,
     hang_guard_s: float = 120.0,
     env: dict[str, str] | None = None,
+    command: Sequence[str] = ("train",),
+    event: str = "step",
 ) -> KillResult:
     """Run ``lowcomm train --nproc nproc --log log_path *train_args``, SIGKILL worker
     ``rank`` once ``after_steps`` steps are logged, and wait for the command to exit.
+
+    ``command``/``event``: another subcommand and the log records it writes (``("fl",)``
+    and ``"round"``: kill a federated run after that many complete rounds).
 
     ``start_timeout_s`` bounds the start-up (interpreters importing torch on a loaded
     machine), ``hang_guard_s`` the time from the kill to the exit; a command still running
     then is killed with its whole process group and reported as hung.
     """
-    cmd = [sys.executable, "-m", "lowcomm", "train", "--nproc", str(nproc), "--log", str(log_path), *train_args]
+    cmd = [sys.executable, "-m", "lowcomm", *command, "--nproc", str(nproc), "--log", str(log_path), *train_args]
     with tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
         try:
-            _wait_until(lambda: len(step_records(log_path)) >= after_steps, proc, start_timeout_s,
-                        f"{after_steps} logged steps")
+            _wait_until(lambda: len(step_records(log_path, event)) >= after_steps, proc, start_timeout_s,
+                        f"{after_steps} logged {event}s")
             pids: dict[int, int] = {}
 
             def all_found() -> bool:
@@ -138,7 +143,7 @@ def run_and_kill(
                 return len(pids) == nproc
 
             _wait_until(all_found, proc, 30.0, f"{nproc} worker processes")
-            step = len(step_records(log_path))
+            step = len(step_records(log_path, event))
             os.kill(pids[rank], signal.SIGKILL)
             killed_at = time.monotonic()
             try:
