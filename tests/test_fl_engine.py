@@ -139,10 +139,12 @@ SMALL = ["--clients", "24", "--per-round", "8", "--model-arg", "hidden=16", "--p
          "--batch-size", "8", "--lr", "0.1", "--samples-per-client", "40"]
 
 
-def test_cli_writes_the_summary_with_the_memory_of_all_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_cli_writes_the_summary_with_the_memory_of_all_processes(tmp_path: Path, start: str) -> None:
     out = tmp_path / "fl.json"
     plot = tmp_path / "fl.png"
-    r = _cli(*SMALL, "--nproc", "2", "--rounds", "2", "--json", str(out), "--plot", str(plot), "--no-progress")
+    r = _cli(*SMALL, "--nproc", "2", "--rounds", "2", "--json", str(out), "--plot", str(plot), "--no-progress",
+             "--start", start)
     assert r.returncode == 0, r.stderr
     s = json.loads(out.read_text())
     assert s["command"] == "fl" and s["world_size"] == 2 and len(s["history"]) == 2

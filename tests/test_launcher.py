@@ -131,3 +131,43 @@ def test_without_nproc_per_node_all_ranks_are_on_one_node() -> None:
 def test_nproc_per_node_that_does_not_divide_the_world_is_refused_naming_valid_sizes(bad: int) -> None:
     with pytest.raises(UsageError, match=r"valid: 1, 2, 4"):
         launch_workers([], 4, nproc_per_node=bad, command=[sys.executable, "-c", "pass"])
+
+
+# --- forked workers (lowcomm.runtime.forked): watched exactly like started ones ------------
+
+
+def _forked_entry(args: list[str]) -> int:
+    import os
+    import signal
+
+    rank = int(os.environ["RANK"])
+    need = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(v in os.environ for v in need):
+        return 9
+    if args == ["die"] and rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args == ["bad"]:
+        from lowcomm.cli import main
+
+        return main(["fly"])
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_forked_workers_get_torchruns_variables_and_are_started_once() -> None:
+    started: list[int] = []
+    assert launch_workers([], 3, fork_entry=_forked_entry, on_started=lambda: started.append(1), quiet=True) == 0
+    assert started == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_forked_worker_is_named_with_its_signal(capfd: pytest.CaptureFixture[str]) -> None:
+    assert launch_workers(["die"], 2, fork_entry=_forked_entry) == 1
+    assert "worker rank 1 was killed by SIGKILL" in capfd.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_in_forked_workers_is_one_line(capfd: pytest.CaptureFixture[str]) -> None:
+    assert launch_workers(["bad"], 2, fork_entry=_forked_entry) == USAGE_EXIT
+    err = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("lowcomm: error:")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from typing import Any
 
@@ -36,6 +37,11 @@ def _factors(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected one slowdown factor >= 1 per worker, comma separated (e.g. 1,3), got {text!r}") from None
+
+
+def default_start() -> str:
+    """``fork`` where the OS has it (Linux), else ``spawn``."""
+    return "fork" if sys.platform.startswith("linux") else "spawn"
 
 
 def add_fl_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +89,9 @@ def add_fl_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the summary JSON here")
     p.add_argument("--log", default=None, help="append one JSON line per round here")
     p.add_argument("--plot", default=None, help="accuracy vs round and vs wall-clock (PNG/SVG/PDF)")
+    p.add_argument("--start", choices=("fork", "spawn"), default=default_start(),
+                   help="fork: workers forked from the launcher, sharing its imported torch "
+                        "(less memory; default on Linux); spawn: new interpreters")
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary table")
     p.add_argument("--no-progress", action="store_true")
@@ -130,10 +139,12 @@ def run_fl_command(args: argparse.Namespace) -> int:
     from lowcomm.fl.memory import ProcessTreeSampler
 
     sampler = ProcessTreeSampler(os.getpid())
-    sampler.start()
+    fork_entry = _preload_for_fork() if args.start == "fork" else None
     try:
+        # the sampler's thread starts after the forks: a child gets only the forking thread
         code = launch_workers(["fl", "--worker-config", worker_cfg.to_json()], cfg.nproc,
-                              nproc_per_node=cfg.nproc_per_node)
+                              nproc_per_node=cfg.nproc_per_node, fork_entry=fork_entry,
+                              on_started=sampler.start)
     finally:
         peak = sampler.stop()
     try:
@@ -153,6 +164,17 @@ def run_fl_command(args: argparse.Namespace) -> int:
     finally:
         if not cfg.json and os.path.exists(json_path):
             os.unlink(json_path)
+
+
+def _preload_for_fork() -> Any:
+    """Import what every worker needs (torch, the engine, the built-in algorithms) once, here,
+    so forked workers share it (:mod:`lowcomm.runtime.forked`); return the workers' entry."""
+    import lowcomm.fl.runner  # noqa: F401  torch, the engine, data and model registries
+    from lowcomm.cli import main
+    from lowcomm.fl.algorithms import algorithm_names
+
+    algorithm_names()  # imports every built-in algorithm module
+    return main
 
 
 def _present(summary: dict[str, Any], cfg: FLConfig) -> None:

@@ -28,6 +28,7 @@ gloo to that namespace's interface.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -37,7 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from lowcomm.errors import UsageError
 
@@ -135,14 +136,14 @@ def _cause_first(failed: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return sorted(failed, key=key)
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+def _wait_all(procs: list[Any], timeout_s: float) -> None:
     """Wait until every process has exited or ``timeout_s`` passed (no signals sent)."""
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
-def _stop(procs: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+def _stop(procs: list[Any], grace_s: float) -> None:
     for p in procs:
         if p.poll() is None:
             try:
@@ -192,6 +193,8 @@ def launch_workers(
     timeout_s: float | None = None,
     quiet: bool = False,
     command: list[str] | None = None,
+    fork_entry: Callable[[list[str]], int] | None = None,
+    on_started: Callable[[], object] | None = None,
 ) -> int:
     """Run ``nproc`` workers to completion; return 0, or the first failure's exit code.
 
@@ -201,16 +204,24 @@ def launch_workers(
     chatter); ``quiet`` silences only the launcher's own lines.
 
     ``command`` replaces ``python -m lowcomm`` (tests use it to start tiny scripts).
+    ``fork_entry``: fork the workers from this process instead (:mod:`lowcomm.runtime.forked`;
+    they share what this process imported); each runs ``fork_entry(worker_args)``.
+    ``on_started`` is called once every worker has started (e.g. to start a sampler thread
+    only after the forks).
     ``nproc_per_node``: workers per (emulated) node, see the module docstring; it must divide
     ``nproc`` (:class:`~lowcomm.errors.UsageError` otherwise, before anything starts).
     """
     per_node = node_layout(nproc, nproc_per_node)
+    if fork_entry is not None and (rank_prefix is not None or command is not None):
+        raise ValueError("forked workers run in this process's namespace and program: "
+                         "no rank_prefix or command with fork_entry")
     port = master_port or free_port(master_addr if master_addr != "0.0.0.0" else "127.0.0.1")
     usage_dir = tempfile.mkdtemp(prefix="lowcomm-usage-")
     try:
         return _run(worker_args, nproc, per_node, master_addr=master_addr, port=port, rank_env=rank_env,
                     rank_prefix=rank_prefix, failure_grace_s=failure_grace_s, timeout_s=timeout_s,
-                    quiet=quiet, command=command, usage_dir=usage_dir)
+                    quiet=quiet, command=command, usage_dir=usage_dir, fork_entry=fork_entry,
+                    on_started=on_started)
     finally:
         shutil.rmtree(usage_dir, ignore_errors=True)
 
@@ -229,8 +240,10 @@ def _run(
     quiet: bool,
     command: list[str] | None,
     usage_dir: str,
+    fork_entry: Callable[[list[str]], int] | None = None,
+    on_started: Callable[[], object] | None = None,
 ) -> int:
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Any] = []  # subprocess.Popen, or ForkedWorker (the same methods)
     base_env = dict(os.environ)
     for rank in range(nproc):
         env = dict(base_env)
@@ -243,9 +256,16 @@ def _run(
         env[USAGE_DIR_VAR] = usage_dir
         if rank_env:
             env.update(rank_env(rank))
+        if fork_entry is not None:
+            from lowcomm.runtime.forked import fork_worker
+
+            procs.append(fork_worker(rank, env, functools.partial(fork_entry, list(worker_args))))
+            continue
         program = command if command is not None else [sys.executable, "-m", "lowcomm"]
         cmd = [*(rank_prefix(rank) if rank_prefix else []), *program, *worker_args]
         procs.append(subprocess.Popen(cmd, env=env))
+    if on_started is not None:
+        on_started()
 
     previous = signal.getsignal(signal.SIGTERM)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from lowcomm.runtime.forked import COMM_PREFIX
+
 
 @dataclass
 class KillResult:
@@ -65,7 +67,8 @@ def step_records(log_path: str | Path, event: str = "step") -> list[dict[str, ob
 
 
 def worker_pids(launcher_pid: int) -> dict[int, int]:
-    """``{rank: pid}`` of the launcher's child processes that carry a ``RANK`` variable."""
+    """``{rank: pid}`` of the launcher's child processes that carry a ``RANK`` variable (or,
+    forked, the rank in their name)."""
     found: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -84,6 +87,16 @@ def worker_pids(launcher_pid: int) -> dict[int, int]:
             continue  # exited meanwhile, or not ours to read
         if b"RANK" in env:
             found[int(env[b"RANK"])] = int(entry)
+            continue
+        # a forked worker (lowcomm.runtime.forked) keeps the launcher's environment block
+        # but names itself after its rank
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        if comm.startswith(COMM_PREFIX) and comm[len(COMM_PREFIX):].isdigit():
+            found[int(comm[len(COMM_PREFIX):])] = int(entry)
     return found
 
 
