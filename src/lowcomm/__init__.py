@@ -30,6 +30,7 @@ SUBMODULES: frozenset[str] = frozenset({
     "runtime",    # launcher, trainer, checkpoints
     "sched",      # schedule axis: WFBP, MG-WFBP, DeAR, Lee et al. 2018
     "sim",        # alpha-beta simulator, profiles, advisor
+    "split",      # split fine-tuning: lowcomm split, SplitModel, BERT loaders
     "testing",    # @distributed-style helpers for tests of collective code
 })
 

@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "lowcomm.sim.cli",  # profile, simulate, advise
     "lowcomm.lowrank.cli",  # lowrank summary
     "lowcomm.fl.cli",  # fl
+    "lowcomm.split.cli",  # split
 ]
 #: which module registers each command: ``lowcomm CMD ...`` imports only that one, so a
 #: launcher that only starts workers (``fl``) does not load torch (~220 MB) for nothing.
@@ -30,6 +31,7 @@ COMMAND_OWNERS = {
     "train": "lowcomm.runtime.train_cli", "demo": "lowcomm.runtime.train_cli",
     "bench": "lowcomm.bench.cli", "profile": "lowcomm.sim.cli", "simulate": "lowcomm.sim.cli",
     "advise": "lowcomm.sim.cli", "lowrank": "lowcomm.lowrank.cli", "fl": "lowcomm.fl.cli",
+    "split": "lowcomm.split.cli",
 }
 
 
@@ -91,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # names the rank that died first, so this one says why it stopped in one line instead
         # of a gloo/NCCL traceback. Anywhere else (torchrun, in-process) the traceback stays.
         if _lost_peer(e) and os.environ.get("LOWCOMM_LAUNCHED") == "1":
+            from lowcomm.runtime.launch import peer_reported_usage_error
+
+            if peer_reported_usage_error():
+                return 1  # the peer stopped on bad input: the launcher prints that reason alone
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"lowcomm: worker rank {os.environ.get('RANK', '?')} stopped: lost contact "
                   f"with a peer ({first[:200]})", file=sys.stderr)

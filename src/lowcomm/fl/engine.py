@@ -63,27 +63,10 @@ class Worker:
 
 def join(cfg: FLConfig) -> Worker:
     """Join the process group torchrun's variables describe (gloo on CPU, NCCL + gloo on CUDA)."""
-    from lowcomm.runtime.distributed import _cuda_device, dist_backend
+    from lowcomm.runtime.distributed import join_world
 
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        from lowcomm.errors import UsageError
-
-        raise UsageError("--device cuda requested but CUDA is not available")
-    backend = dist_backend(use_cuda)
-    device = _cuda_device(local, backend) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    owns = world > 1 and not dist.is_initialized()
-    if owns:
-        from datetime import timedelta
-
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=float(os.environ.get("LOWCOMM_DIST_TIMEOUT_S", 300))))
-    return Worker(rank, world, device, owns)
+    joined = join_world(cfg.device)
+    return Worker(joined.rank, joined.world, joined.device, joined.owns_group)
 
 
 def client_generator(seed: int, round_: int, client: int) -> torch.Generator:

@@ -19,17 +19,17 @@ other file is ignored. The footer and size check catch a file damaged on disk.
 from __future__ import annotations
 
 import io
-import json
 import os
 import struct
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Iterator
 
 import torch
 from torch import Tensor
 
 from lowcomm.errors import UsageError
+from lowcomm.runtime.checkpoint import fsync_dir
 
 if TYPE_CHECKING:
     from lowcomm.fl.store import ClientStateStore
@@ -45,36 +45,6 @@ TMP_PREFIX = ".tmp-"
 def journal_name(round: int, rank: int) -> str:
     """The final file name of the journal of ``round`` written by ``rank``."""
     return f"r{round:06d}-w{rank}.bin"
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename or unlink in ``directory`` durable (no-op where folders cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_json(obj: Any, path: Path) -> None:
-    """Write ``obj`` as JSON to a temporary name, fsync, rename: old or new, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=TMP_PREFIX, dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(obj).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    fsync_dir(path.parent)
 
 
 def read_journal(f: io.BufferedIOBase, *, round: int, rank: int, row_numel: int,

@@ -65,7 +65,8 @@ import torch
 from torch import Tensor
 
 from lowcomm.errors import UsageError
-from lowcomm.fl.journal import JournalWriter, atomic_json, fsync_dir, read_journal
+from lowcomm.fl.journal import JournalWriter, read_journal
+from lowcomm.runtime.checkpoint import atomic_write_json, fsync_dir
 
 VERSION = 1
 DTYPE = "float32"
@@ -141,7 +142,7 @@ class ClientStateStore:
         self._states = self._open_sized("states.bin", num_clients * self.row_bytes, fresh)
         self._visited = self._open_sized("visited.bin", num_clients, fresh)
         if fresh:
-            atomic_json(meta, meta_path)
+            atomic_write_json(meta, str(meta_path))
 
     def _check_meta(self, old: dict[str, Any], new: dict[str, Any]) -> None:
         diffs = [f"{k}={old.get(k)!r} (this run: {new[k]!r})" for k in new if old.get(k) != new[k]]
@@ -321,6 +322,6 @@ class ClientStateStore:
         except (FileNotFoundError, ValueError, KeyError):
             previous = -1
         if round > previous:
-            atomic_json({"round": round}, marker)
+            atomic_write_json({"round": round}, str(marker))
         path.unlink(missing_ok=True)
         fsync_dir(self.journal_dir)

@@ -41,8 +41,8 @@ MANIFEST = "latest.json"
 TMP_PREFIX = ".tmp-"
 
 
-def _fsync_dir(directory: str) -> None:
-    """Make a rename in ``directory`` durable (no-op where folders cannot be opened)."""
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename or unlink in ``directory`` durable (no-op where folders cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
@@ -65,7 +65,7 @@ def _atomic_write_bytes(path: str, write: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

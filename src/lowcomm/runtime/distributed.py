@@ -70,19 +70,34 @@ def _cuda_device(local: int, backend: str) -> torch.device:
     return torch.device("cuda", local % n)
 
 
-def init_distributed(cfg: TrainConfig) -> Dist:
-    """Join the process group described by torchrun's environment variables (if any)."""
+@dataclass
+class Joined:
+    """What :func:`join_world` found and did: this process's ranks, its device, and whether it
+    created the process group (and so must destroy it)."""
+
+    rank: int
+    world: int
+    local: int
+    device: torch.device
+    owns_group: bool
+
+
+def join_world(device: str = "auto") -> Joined:
+    """Join the process group torchrun's variables describe: the one way ``train``, ``fl`` and
+    ``split`` workers find their peers and their device (``device``: auto, cpu or cuda; gloo on
+    CPU, :data:`CUDA_BACKEND` with CUDA). A group that already exists (tests) is kept."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_RANK", 0))
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cuda" and not torch.cuda.is_available():
+    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda requested but CUDA is not available")
     backend = dist_backend(use_cuda)
-    device = _cuda_device(local, backend) if use_cuda else torch.device("cpu")
+    dev = _cuda_device(local, backend) if use_cuda else torch.device("cpu")
     if use_cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+        torch.cuda.set_device(dev)
+    owns = world > 1 and not dist.is_initialized()
+    if owns:
         from datetime import timedelta
 
         dist.init_process_group(
@@ -91,4 +106,10 @@ def init_distributed(cfg: TrainConfig) -> Dist:
             world_size=world,
             timeout=timedelta(seconds=float(os.environ.get("LOWCOMM_DIST_TIMEOUT_S", 300))),
         )
-    return Dist(rank, world, local, device)
+    return Joined(rank, world, local, dev, owns)
+
+
+def init_distributed(cfg: TrainConfig) -> Dist:
+    """Join the process group described by torchrun's variables (if any), for ``train``."""
+    joined = join_world(cfg.device)
+    return Dist(joined.rank, joined.world, joined.local, joined.device)

@@ -107,6 +107,13 @@ def report_usage_error(message: str) -> bool:
     return True
 
 
+def peer_reported_usage_error() -> bool:
+    """In a launched worker: True when another worker already handed the launcher a usage
+    error (the launcher prints that one line; a peer's "lost contact" would be a second)."""
+    folder = os.environ.get(USAGE_DIR_VAR)
+    return bool(folder) and os.environ.get("LOWCOMM_LAUNCHED") == "1" and bool(_usage_reports(folder or ""))
+
+
 def _usage_reports(folder: str) -> dict[int, str]:
     reports: dict[int, str] = {}
     for path in glob.glob(os.path.join(folder, "rank*.txt")):
