@@ -16,19 +16,8 @@ from typing import Any
 
 from lowcomm.errors import UsageError
 from lowcomm.fl.config import SCHEDULE_POLICIES, FLConfig
+from lowcomm.runtime.flags import key_value
 from lowcomm.runtime.launch import launch_workers, under_torchrun
-
-
-def _kv(text: str) -> tuple[str, Any]:
-    import ast
-
-    if "=" not in text or not text.split("=", 1)[0].strip().isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value with a name as key, got {text!r}")
-    key, value = text.split("=", 1)
-    try:
-        return key.strip(), ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key.strip(), value
 
 
 def _factors(text: str) -> list[float]:
@@ -58,10 +47,10 @@ def add_fl_arguments(p: argparse.ArgumentParser) -> None:
                    help="import this in every worker first: it registers your own algorithm "
                         "(docs/fl_api.md); repeatable")
     p.add_argument("--model", default=d.model)
-    p.add_argument("--model-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--data", default=d.data, help="mnist1d (generated), digits, leaf (--data-dir), ...")
     p.add_argument("--data-dir", default=None)
-    p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--data-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--samples-per-client", type=int, default=None,
                    help="mnist1d: training samples generated per client (default 40)")
     p.add_argument("--partition", default=d.partition,

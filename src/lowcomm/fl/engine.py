@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting
+from lowcomm.errors import UsageError
 from lowcomm.comm.ledger import ledger
 from lowcomm.fl import checkpoint as fl_checkpoint
 from lowcomm.fl.algorithms import create_algorithm, load_algorithm_module
@@ -86,8 +87,6 @@ class Federation:
         self.cfg = cfg
         self.me = me
         if cfg.cross_silo and cfg.clients != me.world:
-            from lowcomm.errors import UsageError
-
             raise UsageError(f"--cross-silo puts one client on each worker: --clients {cfg.clients} "
                              f"must equal the number of workers ({me.world})")
         self.slowdown = parse_slowdown(",".join(str(s) for s in cfg.slowdown), me.world) \
@@ -127,8 +126,6 @@ class Federation:
         cfg = self.cfg
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.me.world))
         if local_world < self.me.world and not cfg.cross_silo and not cfg.state_dir:
-            from lowcomm.errors import UsageError
-
             raise UsageError(f"algorithm {cfg.algorithm!r} keeps state per client and this run spans several "
                              "machines: give --state-dir on a filesystem every machine mounts (or use "
                              "--cross-silo, where each client stays on its process)")
@@ -136,8 +133,6 @@ class Federation:
             return cfg.state_dir
         if cfg.checkpoint_dir:
             return os.path.join(cfg.checkpoint_dir, "client_state")
-        from lowcomm.errors import UsageError
-
         raise UsageError(f"algorithm {cfg.algorithm!r} keeps state per client on disk: give --state-dir "
                          "DIR (or --checkpoint-dir, which keeps it in DIR/client_state)")
 

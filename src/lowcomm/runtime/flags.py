@@ -10,7 +10,23 @@ usage errors stay fast).
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+import ast
+from typing import Any, Sequence
+
+
+def key_value(text: str) -> tuple[str, Any]:
+    """``--model-arg KEY=VALUE`` (``train``, ``fl``): the value as a Python literal where it
+    is one (``hidden=256`` -> 256), else the text."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
+    key, value = text.split("=", 1)
+    if not key.strip().isidentifier():
+        raise argparse.ArgumentTypeError(f"expected key=value with a name as key, got {text!r}")
+    key = key.strip()
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def explicit_train_flags(argv: Sequence[str] | None) -> list[str]:

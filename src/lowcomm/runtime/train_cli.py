@@ -8,7 +8,6 @@ variables are already set, so the command runs as one worker: that is how multi-
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -17,21 +16,8 @@ from typing import Any
 
 from lowcomm.errors import MAX_COUNT, UsageError, check_count
 from lowcomm.runtime.config import SCHEDULES, TrainConfig
-from lowcomm.runtime.flags import explicit_train_flags
+from lowcomm.runtime.flags import explicit_train_flags, key_value
 from lowcomm.runtime.launch import launch_workers, under_torchrun
-
-
-def _kv(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"expected key=value, got {text!r}")
-    key, value = text.split("=", 1)
-    if not key.strip().isidentifier():
-        raise argparse.ArgumentTypeError(f"expected key=value with a name as key, got {text!r}")
-    key = key.strip()
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -116,8 +102,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log", default=None, help="append per-step JSONL records here")
     p.add_argument("--tensorboard", default=None, metavar="DIR")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--model-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--data-arg", type=_kv, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--data-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--input-shape", type=parse_shape, default=None, help="synthetic data: per-sample shape")
     p.add_argument("--num-classes", type=int, default=None, help="synthetic data: classes")
     p.add_argument("--vocab-size", type=int, default=None, help="synthetic data: token vocabulary")

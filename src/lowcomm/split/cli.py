@@ -130,29 +130,26 @@ def run_split_command(args: argparse.Namespace) -> int:
 
 
 def _launch(worker: SplitConfig) -> int:
-    """Edge and cloud as two processes, on loopback or in two shaped namespaces (``--net``)."""
-    args = ["split", "--worker-config", worker.to_json()]
-    if not worker.net:
-        return launch_workers(args, 2, rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
+    """Edge and cloud as two processes, on loopback or in two shaped namespaces (``--net``),
+    placed the way the bench places its workers (:func:`lowcomm.bench.runner.launch_options`)."""
     from lowcomm.bench import netns
     from lowcomm.bench.runner import launch_options
     from lowcomm.runtime.launch import free_port
 
-    spec = netns.parse_net(worker.net)
-    if spec.loopback:
-        return launch_workers(args, 2, rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
+    cluster = None
+    if worker.net and not netns.parse_net(worker.net).loopback:
+        try:
+            cluster = netns.Cluster(2, netns.parse_net(worker.net))
+            cluster.up()
+        except netns.NetnsUnavailable as e:
+            print(f"lowcomm: no emulated network ({e}); running on loopback, unshaped", flush=True)
+            cluster, worker.net = None, None
     try:
-        cluster = netns.Cluster(2, spec)
-        cluster.up()
-    except netns.NetnsUnavailable as e:
-        print(f"lowcomm: no emulated network ({e}); running on loopback, unshaped", flush=True)
-        worker.net = None
         return launch_workers(["split", "--worker-config", worker.to_json()], 2,
-                              rank_env=lambda r: {"GLOO_SOCKET_IFNAME": "lo"})
-    try:
-        return launch_workers(args, 2, **launch_options(cluster, free_port()))
+                              **launch_options(cluster, free_port()))
     finally:
-        cluster.down()
+        if cluster is not None:
+            cluster.down()
 
 
 def _finish(summary: dict[str, Any], cfg: SplitConfig) -> None:

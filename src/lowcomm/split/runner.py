@@ -144,7 +144,7 @@ def _run_edge(cfg: SplitConfig, config: Any, weights: Any, tokenizer: Any, devic
     accounting.broadcast(report, CLOUD, tag="split.report")
     correct, count, loss_sum, backward_bytes = report.tolist()
     steps = len(step_s)
-    return _summary(cfg, split_params=(sum(p.numel() for p in split.parameters()), None), steps=steps,
+    return _summary(cfg, params=sum(p.numel() for p in split.parameters()), steps=steps,
                     step_s=step_s, comm_s=comm_s, accuracy=correct / max(count, 1), loss=loss_sum / max(count, 1),
                     train=train, test=test, bytes_per_step={
                         "edge_to_cloud": forward_bytes / max(steps, 1),
@@ -201,12 +201,12 @@ def _run_unsplit(cfg: SplitConfig, config: Any, weights: Any, tokenizer: Any, de
             correct += int((logits.argmax(-1) == labels).sum())
             count += labels.numel()
             loss_sum += float(nn.functional.cross_entropy(logits, labels, reduction="sum"))
-    return _summary(cfg, split_params=(sum(p.numel() for p in model.parameters()), None), steps=len(step_s),
+    return _summary(cfg, params=sum(p.numel() for p in model.parameters()), steps=len(step_s),
                     step_s=step_s, comm_s=0.0, accuracy=correct / max(count, 1), loss=loss_sum / max(count, 1),
                     train=train, test=test, bytes_per_step={"edge_to_cloud": 0.0, "cloud_to_edge": 0.0})
 
 
-def _summary(cfg: SplitConfig, *, split_params: tuple[int, int | None], steps: int, step_s: list[float],
+def _summary(cfg: SplitConfig, *, params: int, steps: int, step_s: list[float],
              comm_s: float, accuracy: float, loss: float, train: TextDataset, test: TextDataset,
              bytes_per_step: dict[str, float]) -> dict[str, Any]:
     timed = step_s[1:] or step_s  # the first step pays one-time allocations
@@ -219,7 +219,7 @@ def _summary(cfg: SplitConfig, *, split_params: tuple[int, int | None], steps: i
         "test_loss": loss, "bytes_per_step": bytes_per_step,
         "bytes_per_step_total": sum(bytes_per_step.values()),
         "step_time_s_median": statistics.median(timed) if timed else None,
-        "comm_s_per_step": comm_s / max(steps, 1), "edge_params": split_params[0],
+        "comm_s_per_step": comm_s / max(steps, 1), "edge_params": params,
         "network": {"requested": cfg.net or "none", "emulated": bool(cfg.net)},
     }
 
