@@ -20,7 +20,8 @@ from tolerance import assert_close_eps
 
 def test_registry_lists_the_builtin_datasets() -> None:
     assert data.names() == sorted(
-        ["mnist1d", "digits", "cifar10", "cifar100", "imagefolder", "wikitext2", "synthetic", "leaf"])
+        ["mnist1d", "digits", "cifar10", "cifar100", "imagefolder", "wikitext2", "synthetic", "leaf", "stereo",
+         "sceneflow"])
 
 
 def test_unknown_dataset_is_a_usage_error_listing_names() -> None:

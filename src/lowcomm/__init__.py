@@ -20,6 +20,7 @@ SUBMODULES: frozenset[str] = frozenset({
     "comm",       # byte accounting of every collective, DDP comm hooks
     "compress",   # payload axis: compressors, error feedback (pure tensor math)
     "data",       # dataset registry: lowcomm.data.create(name, ...)
+    "elastic",    # elastic supernets: progressive shrinking, latency-constrained search
     "errors",     # UsageError and argument checks
     "fl",         # federated simulation: lowcomm fl, algorithms, client state store
     "hooks",      # lowcomm.hooks.register(ddp_model, method, **options)

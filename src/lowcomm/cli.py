@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "lowcomm.lowrank.cli",  # lowrank summary
     "lowcomm.fl.cli",  # fl
     "lowcomm.split.cli",  # split
+    "lowcomm.elastic.cli",  # elastic train|search|extract
 ]
 #: which module registers each command: ``lowcomm CMD ...`` imports only that one, so a
 #: launcher that only starts workers (``fl``) does not load torch (~220 MB) for nothing.
@@ -31,7 +32,7 @@ COMMAND_OWNERS = {
     "train": "lowcomm.runtime.train_cli", "demo": "lowcomm.runtime.train_cli",
     "bench": "lowcomm.bench.cli", "profile": "lowcomm.sim.cli", "simulate": "lowcomm.sim.cli",
     "advise": "lowcomm.sim.cli", "lowrank": "lowcomm.lowrank.cli", "fl": "lowcomm.fl.cli",
-    "split": "lowcomm.split.cli",
+    "split": "lowcomm.split.cli", "elastic": "lowcomm.elastic.cli",
 }
 
 

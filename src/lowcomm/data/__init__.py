@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from lowcomm.errors import UsageError
 from lowcomm.registry import Registry
 
-Task = Literal["classification", "language_model"]
+Task = Literal["classification", "language_model", "stereo"]
 
 
 @dataclass
@@ -82,6 +82,7 @@ DATASETS: Registry[DataBundle] = Registry(
         "lowcomm.data.cifar",
         "lowcomm.data.imagefolder",
         "lowcomm.data.wikitext",
+        "lowcomm.data.stereo",
         "lowcomm.data.synthetic",
         "lowcomm.data.leaf",
     ],

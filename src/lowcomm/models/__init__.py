@@ -50,7 +50,7 @@ from torch import nn
 from lowcomm.errors import UsageError
 from lowcomm.registry import Registry
 
-Task = Literal["classification", "language_model"]
+Task = Literal["classification", "language_model", "stereo"]
 
 MODELS: Registry[nn.Module] = Registry(
     "model",
@@ -60,6 +60,8 @@ MODELS: Registry[nn.Module] = Registry(
         "lowcomm.models.lstm",
         "lowcomm.models.transformer",
         "lowcomm.models.small",
+        "lowcomm.elastic.classifier",
+        "lowcomm.elastic.stereo.model",
     ],
 )
 

@@ -62,6 +62,10 @@ def summary(t: Trainer) -> dict[str, Any]:
     }
     if t.task == "classification":
         result["final_test_accuracy"] = last.get("test_accuracy")
+    elif t.task == "stereo":
+        result["final_test_metric"] = last.get("test_epe")
+        result["metric_name"] = "epe"
+        result["final_test_d1"] = last.get("test_d1")
     else:
         result["final_test_metric"] = last.get("test_perplexity")
         result["metric_name"] = "perplexity"

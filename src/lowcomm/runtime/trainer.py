@@ -1,12 +1,10 @@
 """The training loop every method runs in: short enough to read in one sitting.
 
-One worker process per rank. The loop is plain DDP-style data parallelism; a
-:class:`~lowcomm.methods.Method` decides how the model is wrapped and how gradients travel.
-Everything measured here (phase times, bytes) is measured the same way for every method.
-The parts the loop uses live beside it: the process group (:mod:`.distributed`), mixed
-precision (:mod:`.precision`), model/data/loss (:mod:`.workload`), evaluation
-(:mod:`.evaluation`), measurements (:mod:`.measure`), logs (:mod:`.records`), the JSON
-summary (:mod:`.summary`); optimizers and LR schedules are the update axis (:mod:`lowcomm.optim`).
+One worker per rank, plain DDP-style data parallelism; a :class:`~lowcomm.methods.Method`
+decides how the model is wrapped and how gradients travel, and everything is measured the
+same way for every method. Beside it: process group (:mod:`.distributed`), AMP
+(:mod:`.precision`), model/data/loss (:mod:`.workload`), :mod:`.evaluation`, :mod:`.measure`,
+logs (:mod:`.records`), JSON (:mod:`.summary`); optimizers are :mod:`lowcomm.optim`.
 """
 
 from __future__ import annotations
@@ -110,7 +108,7 @@ class Trainer:
         # (a lazy import, a dataset, a method's set-up) cannot shift them, so every run with
         # this seed starts from the same weights, the first in a process or the tenth
         seed_everything(cfg.seed)
-        raw = build_model(cfg, self.bundle)
+        raw = self.build_raw_model()
         self.params_before = sum(p.numel() for p in raw.parameters())
         resume_state = self._load_resume_state()
         if resume_state is not None:
@@ -118,6 +116,20 @@ class Trainer:
         self._build(raw, resume_state)
 
     # --- construction -------------------------------------------------------------------------
+    def build_raw_model(self) -> nn.Module:
+        """The model before the method wraps it (``ElasticTrainer``: the supernet)."""
+        return build_model(self.cfg, self.bundle)
+
+    def compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The loss of one wrapped forward (a subclass training several sub-networks runs
+        them in that one forward: every method sees one forward and one backward)."""
+        return loss_fn(self.task, self.model(x), y, max_disp=self.max_disp)
+
+    @property
+    def max_disp(self) -> float | None:
+        """The model's largest disparity (stereo models), else None."""
+        return None if getattr(self.raw, "max_disp", None) is None else float(self.raw.max_disp)
+
     def _build(self, raw: nn.Module, resume_state: dict[str, Any] | None = None) -> None:
         """Prepare and wrap the model with the method, build optimizer and scheduler (again
         after a method's re-wrap, continuing the schedule), restore a checkpoint's state."""
@@ -229,8 +241,7 @@ class Trainer:
         snap = self._snapshot()
         start = time.perf_counter()
         with autocast(self.amp_dtype, self.dist.device):
-            out = self.model(x)
-            loss = loss_fn(self.task, out, y)
+            loss = self.compute_loss(x, y)
         fwd_end = time.perf_counter()
         self._phase_wall("forward", start, fwd_end, snap)
 
@@ -274,11 +285,9 @@ class Trainer:
     def _check_step(self, loss: torch.Tensor) -> tuple[float | None, bool]:
         """(loss value if already read, skip this step?), after backward and finish_sync.
 
-        Without a GradScaler, a method that tracks non-finite gradients (the compression
-        hooks and the engine poison a non-finite payload so that every rank sees it) gives a
-        device flag; it is read here together with the loss value, in one transfer: the only
-        host sync of the step, and none inside backward. With a scaler nothing is read here:
-        the poisoned gradient reaches the scaler's own inf check, which skips the step.
+        Without a GradScaler, a method tracking non-finite gradients (hooks and engine poison
+        a non-finite payload for every rank) gives a device flag, read with the loss value in
+        one transfer: the step's only host sync. With a scaler its own inf check skips.
         """
         if self.scaler is not None:
             return None, False
@@ -295,7 +304,7 @@ class Trainer:
         self.method.flush()
         return evaluate(self.raw, self.bundle.test, task=self.task, dist_info=self.dist,
                         batch_size=self.cfg.eval_batch_size, amp=self.amp_dtype,
-                        target_is_input=self.target_is_input)
+                        target_is_input=self.target_is_input, max_disp=self.max_disp)
 
     # --- loop ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

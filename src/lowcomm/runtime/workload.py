@@ -56,21 +56,29 @@ def build_model(cfg: TrainConfig, bundle: DataBundle) -> nn.Module:
 
 def model_for_data(model: str, model_args: dict[str, Any], bundle: DataBundle) -> nn.Module:
     """Model ``model`` sized to ``bundle`` (classes / vocabulary / input width); ``model_args``
-    win over what the data implies. Shared by ``train`` and ``fl``."""
+    win over what the data implies. Shared by ``train``, ``fl`` and ``elastic``."""
+    kwargs = model_kwargs_for_data(model, model_args, bundle)
+    try:
+        return model_registry.create(model, **kwargs)
+    except TypeError as e:
+        raise UsageError(f"model {model!r} does not accept these arguments: {e}") from None
+
+
+def model_kwargs_for_data(model: str, model_args: dict[str, Any], bundle: DataBundle) -> dict[str, Any]:
+    """The keyword arguments :func:`model_for_data` builds ``model`` with (recorded by files
+    that must rebuild the same model later)."""
     factory = model_registry.MODELS.get(model)
     implied: dict[str, Any] = {}
     if bundle.task == "classification" and bundle.num_classes:
         implied["num_classes"] = bundle.num_classes
     if bundle.vocab_size:
         implied["vocab_size"] = bundle.vocab_size
+    if bundle.task == "stereo":  # the model's disparity range follows the data's
+        implied["max_disp"] = getattr(bundle.train, "max_disp", None)
     if bundle.input_shape:
         implied["input_dim"] = bundle.input_shape[0] if len(bundle.input_shape) == 1 else None
         implied = {k: v for k, v in implied.items() if v is not None}
-    kwargs = {**_accepted_kwargs(factory, implied), **model_args}
-    try:
-        return model_registry.create(model, **kwargs)
-    except TypeError as e:
-        raise UsageError(f"model {model!r} does not accept these arguments: {e}") from None
+    return {**_accepted_kwargs(factory, implied), **model_args}
 
 
 def task_of(model_name: str, bundle: DataBundle) -> str:
@@ -85,8 +93,15 @@ def task_of(model_name: str, bundle: DataBundle) -> str:
     return str(bundle.task)
 
 
-def loss_fn(task: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy, over every token for a language model."""
+def loss_fn(task: str, logits: Any, y: torch.Tensor, *, max_disp: float | None = None) -> torch.Tensor:
+    """Cross-entropy, over every token for a language model; for stereo the multi-scale
+    smooth-L1 loss over the valid pixels (``logits``: the list of disparity predictions in
+    training, one map in evaluation; ``max_disp`` from the model)."""
+    if task == "stereo":
+        from lowcomm.elastic.stereo.loss import multiscale_loss
+
+        preds = list(logits) if isinstance(logits, (list, tuple)) else [logits]
+        return multiscale_loss(preds, y, max_disp=float(max_disp or 192.0))
     if task == "language_model":
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     return nn.functional.cross_entropy(logits, y)

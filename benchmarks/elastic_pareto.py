@@ -1,0 +1,244 @@
+"""Elastic supernet vs. the same architectures trained alone: the metric-latency Pareto front.
+
+1. ``lowcomm elastic train`` trains one supernet with progressive shrinking (``--epochs`` in
+   total over the phases, EASNet's phase ratio unless ``--phases``).
+2. A latency table is measured on this machine; ``--archs`` sub-networks spanning the latency
+   range are chosen (the smallest, the largest and random ones at evenly spaced latency
+   quantiles); each is extracted (weights copied, BN re-calibrated) and scored on the test set.
+3. Each of those architectures is trained alone from fresh weights (``--scratch``) for the same
+   number of epochs as the whole supernet, with the same optimizer and data.
+4. Each extracted network is also timed whole (batch 1, ``--latency-shape``).
+
+Writes ``benchmarks/results/elastic_pareto_<task>.json``, the table in ``docs/elastic.md``
+(between the ``elastic-pareto-<task>`` markers) and ``docs/img/elastic_pareto_<task>.png``.
+Keep the supernet file (``--keep``) for ``benchmarks/elastic_search.py``.
+
+    .venv/bin/python benchmarks/elastic_pareto.py --task stereo       # the recorded setup
+    .venv/bin/python benchmarks/elastic_pareto.py --task classifier
+
+Run it alone on the machine: the latencies are timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accuracy as acc  # noqa: E402  (the sibling script: machine, git commit)
+
+REPO = acc.REPO
+DOC = REPO / "docs" / "elastic.md"
+
+TASKS: dict[str, dict[str, Any]] = {
+    "stereo": {"model": "elastic_stereo", "data": "stereo", "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0,
+               "batch_size": 16, "metric": "epe", "lower_is_better": True, "data_args": []},
+    "classifier": {"model": "elastic_cnn1d", "data": "mnist1d", "optimizer": "sgd", "lr": 0.05, "weight_decay": 5e-4,
+                   "batch_size": 64, "metric": "accuracy", "lower_is_better": False, "data_args": []},
+}
+
+
+def train(args: argparse.Namespace, task: dict[str, Any], work: Path, name: str, *extra: str) -> dict[str, Any]:
+    """One ``lowcomm elastic train`` run; its JSON summary."""
+    out = work / f"{name}.json"
+    cmd = [sys.executable, "-m", "lowcomm", "elastic", "train", "--model", task["model"], "--data", task["data"],
+           "--optimizer", task["optimizer"], "--lr", str(task["lr"]), "--weight-decay", str(task["weight_decay"]),
+           "--batch-size", str(task["batch_size"]), "--nproc", str(args.nproc), "--seed", str(args.seed),
+           "--threads", str(args.threads), "--no-progress", "--quiet", "--json", str(out), *task["data_args"],
+           *extra]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return dict(json.loads(out.read_text()))
+
+
+def choose(net: Any, table: Any, n: int, seed: int) -> list[dict[str, list[int]]]:
+    """``n`` architectures spread over the latency range: min, max and random ones nearest to
+    evenly spaced predicted latencies (from 400 random samples)."""
+    space = net.space
+    rng = random.Random(seed)
+    pool = {json.dumps(space.canonical(space.sample(rng)), sort_keys=True) for _ in range(400)}
+    scored = sorted((table.predict(json.loads(c)), json.loads(c)) for c in pool)
+    lo, hi = table.predict(space.min_config()), table.predict(space.max_config())
+    chosen = [space.canonical(space.min_config())]
+    for i in range(1, n - 1):
+        target = lo + (hi - lo) * i / (n - 1)
+        best = min(scored, key=lambda t: abs(t[0] - target))[1]
+        if best not in chosen:
+            chosen.append(best)
+    chosen.append(space.canonical(space.max_config()))
+    return chosen
+
+
+LATENCY = {"threads": 1, "stat": "min", "repeats": 30}
+
+
+def measure_table(net: Any, shape: tuple[int, ...], seed: int) -> Any:
+    """The lookup table of this machine (units of the extremes and 30 random sub-networks)."""
+    from lowcomm.elastic.latency import LatencyTable
+
+    return LatencyTable.measure(net, net.space, shape, samples=30, seed=seed, threads=LATENCY["threads"],
+                                stat=LATENCY["stat"], repeats=LATENCY["repeats"])
+
+
+def add_latency(doc: dict[str, Any], supernet: Path) -> None:
+    """Time every row's architecture whole and by the table (run alone on the machine)."""
+    from lowcomm.elastic.artifacts import load_supernet
+    from lowcomm.elastic.latency import device_name, measure_network
+
+    net, _ = load_supernet(supernet)
+    shape = tuple(doc["setup"]["latency_shape"])
+    table = measure_table(net, shape, doc["setup"]["seed"])
+    for row in doc["rows"]:
+        row["predicted_ms"] = table.predict(row["config"])
+        row["measured_ms"] = measure_network(net.extract(row["config"]), shape, threads=LATENCY["threads"],
+                                             stat=LATENCY["stat"], repeats=LATENCY["repeats"])
+    doc["latency"] = {**LATENCY, "device": device_name("cpu"), "batch": 1}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", choices=sorted(TASKS), default="stereo")
+    ap.add_argument("--epochs", type=int, default=16, help="epochs of the whole supernet run (and of each scratch run)")
+    ap.add_argument("--phases", default=None)
+    ap.add_argument("--subnets", default=None)
+    ap.add_argument("--archs", type=int, default=5)
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--latency-shape", default=None)
+    ap.add_argument("--keep", required=True, help="the trained supernet file (kept for elastic_search.py)")
+    ap.add_argument("--data-arg", action="append", default=[])
+    ap.add_argument("--latency-only", action="store_true",
+                    help="only (re)time the recorded rows' architectures (the machine idle), then write the docs")
+    args = ap.parse_args()
+    task = dict(TASKS[args.task])
+    for item in args.data_arg:
+        task["data_args"] = [*task["data_args"], "--data-arg", item]
+    results = REPO / "benchmarks" / "results" / f"elastic_pareto_{args.task}.json"
+    sup_path = Path(args.keep)
+    if args.latency_only:
+        doc = json.loads(results.read_text())
+    else:
+        doc = train_rows(args, task, sup_path)
+    add_latency(doc, sup_path)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(doc, indent=2) + "\n")
+    block = markdown(doc)
+    print(block)
+    begin, end = f"<!-- elastic-pareto-{args.task}:begin -->", f"<!-- elastic-pareto-{args.task}:end -->"
+    if DOC.exists() and begin in DOC.read_text():
+        DOC.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), begin + "\n" + block + "\n" + end,
+                              DOC.read_text(), flags=re.S))
+    plot(doc, REPO / "docs" / "img" / f"elastic_pareto_{args.task}.png")
+    return 0
+
+
+def train_rows(args: argparse.Namespace, task: dict[str, Any], sup_path: Path) -> dict[str, Any]:
+    """Train the supernet, choose the architectures, score them extracted and from scratch."""
+    import torch
+
+    from lowcomm.elastic.search_cli import SubnetScorer, load_for_search
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        extra = ["--epochs", str(args.epochs), "--out", str(sup_path)]
+        if args.phases:
+            extra += ["--phases", args.phases]
+        if args.subnets:
+            extra += ["--subnets", args.subnets]
+        sup = train(args, task, work, "supernet", *extra)
+        net, blob, bundle = load_for_search(argparse.Namespace(supernet=str(sup_path), data_dir=None))
+        shape = tuple(int(s) for s in args.latency_shape.split(",")) if args.latency_shape else tuple(bundle.input_shape)
+        table = measure_table(net, shape, args.seed)  # only to spread the choice over the latency range
+        scorer = SubnetScorer(net, bundle, valid_size=1000, bn_batches=10, batch_size=task["batch_size"],
+                              seed=args.seed)
+        rows = []
+        for config in choose(net, table, args.archs, args.seed):
+            extracted = scorer.test(config)
+            scratch = train(args, task, work, f"scratch{len(rows)}", "--epochs", str(sup["epochs"]),
+                            "--scratch", json.dumps(config))
+            sub = net.extract(config)
+            rows.append({"config": config, "params": sum(p.numel() for p in sub.parameters()),
+                         "extracted": extracted, "scratch": scratch_metrics(scratch, task["metric"]),
+                         "scratch_wall_s": scratch.get("wall_s")})
+    return {"machine": acc.machine(), "commit": acc.short_commit(acc._git_commit()),
+            "task": args.task, "setup": {**task, "epochs": sup["epochs"], "phases": sup["phases"],
+                                         "threads": args.threads, "nproc": args.nproc, "latency_shape": list(shape),
+                                         "seed": args.seed},
+            "supernet_wall_s": sup.get("wall_s"), "rows": rows}
+
+
+def scratch_metrics(summary: dict[str, Any], metric: str) -> dict[str, float]:
+    """The from-scratch run's final test metrics, named as the scorer names them."""
+    if metric == "epe":
+        return {"epe": summary["final_test_metric"], "d1": summary.get("final_test_d1")}
+    return {"accuracy": summary["final_test_accuracy"]}
+
+
+def gap(row: dict[str, Any], metric: str, lower_is_better: bool) -> float:
+    """Relative gap of the extracted network to the one trained alone (positive = worse)."""
+    e, s = row["extracted"][metric], row["scratch"][metric]
+    return (e - s) / s if lower_is_better else (s - e) / s
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The table for docs/elastic.md."""
+    t, m = doc["setup"], doc["machine"]
+    metric, low = t["metric"], t["lower_is_better"]
+    fmt = (lambda v: f"{v:.3f} px") if metric == "epe" else (lambda v: f"{100 * v:.2f} %")
+    rows = doc["rows"]
+    lat = [r["measured_ms"] for r in rows]
+    phases = ", ".join(f"{p['name']} {p['epochs']}" for p in t["phases"])
+    out = ["_Generated by `benchmarks/elastic_pareto.py` from `benchmarks/results/elastic_pareto_"
+           f"{doc['task']}.json`; do not edit by hand._", "",
+           f"`{t['model']}` on `{t['data']}`: supernet trained {t['epochs']} epochs in all ({phases}); each "
+           f"architecture alone from scratch for the same {t['epochs']} epochs; {t['optimizer']} lr {t['lr']}, batch "
+           f"{t['batch_size']}, seed {t['seed']}, {t['nproc']} worker(s). Latency: batch 1, input "
+           f"{tuple(t['latency_shape'])}, {doc['latency']['threads']} thread(s), {doc['latency']['stat']} of "
+           f"{doc['latency']['repeats']} runs. Machine: {m['cpu']}, "
+           f"{m['cpu_count']} cores, torch {m['torch']}; commit {doc['commit']}.", "",
+           f"| architecture | parameters | latency measured (predicted) | extracted {metric} | from scratch {metric} | "
+           f"gap (target ≤ 5 %) |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        g = gap(r, metric, low)
+        out.append(f"| `{json.dumps(r['config'], separators=(',', ':'))}` | {r['params']:,} | {r['measured_ms']:.2f} ms "
+                   f"({r['predicted_ms']:.2f}) | {fmt(r['extracted'][metric])} | {fmt(r['scratch'][metric])} | "
+                   f"{100 * g:+.1f} % {'✓' if g <= 0.05 else '✗'} |")
+    within = sum(gap(r, metric, low) <= 0.05 for r in rows)
+    out += ["", f"Latency range {max(lat) / min(lat):.2f}x (target ≥ 3x); {within} of {len(rows)} extracted "
+                f"networks within 5 % of the same architecture trained alone."]
+    return "\n".join(out)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Metric against measured latency, extracted and from scratch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metric = doc["setup"]["metric"]
+    scale = 1.0 if metric == "epe" else 100.0
+    rows = sorted(doc["rows"], key=lambda r: r["measured_ms"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["measured_ms"] for r in rows]
+    ax.plot(xs, [scale * r["extracted"][metric] for r in rows], "o-", label="extracted from the supernet")
+    ax.plot(xs, [scale * r["scratch"][metric] for r in rows], "s--", label="same architecture, trained alone")
+    ax.set_xlabel(f"latency (ms, batch 1, {doc['latency']['threads']} thread(s), {doc['latency']['device']})")
+    ax.set_ylabel("test EPE (px)" if metric == "epe" else "test accuracy (%)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""Latency-constrained search vs. random sampling, and the latency predictor vs. direct timing.
+
+On a supernet trained by ``benchmarks/elastic_pareto.py --keep FILE``:
+
+1. The latency lookup table is measured on this machine (units of the largest, the smallest
+   and ``--table-samples`` random sub-networks; an affine correction fitted on the largest and
+   smallest whole networks); then ``--unseen`` other random sub-networks are timed whole and
+   compared with the prediction (the table never saw them whole).
+2. Three budgets at 25 / 50 / 75 % of the way between the smallest and the largest network's
+   predicted latency: ``lowcomm elastic search`` (evolution with OFA's accuracy predictor, or
+   ``--score direct``) against the best of ``--random`` random sub-networks under the same
+   budget (chosen by the same held-out score, measured directly), both then measured on the
+   test set.
+
+Writes ``benchmarks/results/elastic_search_<task>.json``, the tables in ``docs/elastic.md``
+(between the ``elastic-search-<task>`` markers) and ``docs/img/elastic_search_<task>.png``.
+
+    .venv/bin/python benchmarks/elastic_search.py --supernet runs/stereo_supernet.pt --task stereo
+
+Run it alone on the machine: the latencies are timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import accuracy as acc  # noqa: E402  (the sibling script: machine, git commit)
+
+REPO = acc.REPO
+DOC = REPO / "docs" / "elastic.md"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--supernet", required=True)
+    ap.add_argument("--task", default="stereo")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--unseen", type=int, default=20)
+    ap.add_argument("--table-samples", type=int, default=30)
+    ap.add_argument("--random", type=int, default=50)
+    ap.add_argument("--score", default="predictor")
+    ap.add_argument("--predictor-samples", type=int, default=100)
+    ap.add_argument("--population", type=int, default=100)
+    ap.add_argument("--iterations", type=int, default=50)
+    ap.add_argument("--valid-size", type=int, default=1000)
+    ap.add_argument("--latency-shape", default=None)
+    args = ap.parse_args()
+
+    import torch
+
+    from lowcomm.elastic.latency import LatencyTable, device_name, validate
+    from lowcomm.elastic.search_cli import load_for_search
+
+    torch.set_num_threads(args.threads)
+    net, blob, bundle = load_for_search(argparse.Namespace(supernet=args.supernet, data_dir=None))
+    shape = tuple(int(s) for s in args.latency_shape.split(",")) if args.latency_shape else tuple(bundle.input_shape)
+    space = net.space
+    with tempfile.TemporaryDirectory() as tmp:
+        table_path = Path(tmp) / "latency.json"
+        table = LatencyTable.measure(net, space, shape, samples=args.table_samples, seed=args.seed,
+                                     threads=args.threads, calibrate=[space.max_config(), space.min_config()],
+                                     fit="affine")
+        table.save(table_path)
+        rng = random.Random(args.seed + 100)
+        unseen = []
+        known = {json.dumps(space.canonical(c), sort_keys=True) for c in (space.max_config(), space.min_config())}
+        while len(unseen) < args.unseen:
+            c = space.canonical(space.sample(rng))
+            if json.dumps(c, sort_keys=True) not in known:
+                known.add(json.dumps(c, sort_keys=True))
+                unseen.append(c)
+        checks = validate(table, net, unseen, shape)
+        lo, hi = table.predict(space.min_config()), table.predict(space.max_config())
+        budgets = [round(lo + (hi - lo) * f, 3) for f in (0.25, 0.5, 0.75)]
+        out = Path(tmp) / "search.json"
+        cmd = [sys.executable, "-m", "lowcomm", "elastic", "search", "--supernet", args.supernet,
+               "--latency-ms", ",".join(str(b) for b in budgets), "--latency-table", str(table_path),
+               "--random", str(args.random), "--score", args.score, "--predictor-samples", str(args.predictor_samples),
+               "--population", str(args.population), "--iterations", str(args.iterations),
+               "--valid-size", str(args.valid_size), "--threads", str(args.threads), "--seed", str(args.seed),
+               "--measure", "--json", str(out), "--quiet"]
+        if args.latency_shape:
+            cmd += ["--latency-shape", args.latency_shape]
+        print("$", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+        search = json.loads(out.read_text())
+    doc = {"machine": acc.machine(), "commit": acc.short_commit(acc._git_commit()), "device": device_name("cpu"),
+           "task": args.task, "supernet": blob["model"], "threads": args.threads, "latency_shape": list(shape),
+           "table": {"units": len(table.units), "scale": table.scale, "overhead_ms": table.overhead_ms,
+                     "samples": args.table_samples},
+           "latency_checks": checks, "search": search}
+    results = REPO / "benchmarks" / "results" / f"elastic_search_{args.task}.json"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps(doc, indent=2) + "\n")
+    block = markdown(doc)
+    print(block)
+    begin, end = f"<!-- elastic-search-{args.task}:begin -->", f"<!-- elastic-search-{args.task}:end -->"
+    if DOC.exists() and begin in DOC.read_text():
+        DOC.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), begin + "\n" + block + "\n" + end,
+                              DOC.read_text(), flags=re.S))
+    plot(doc, REPO / "docs" / "img" / f"elastic_search_{args.task}.png")
+    return 0
+
+
+def _metric(test: dict[str, float]) -> tuple[str, float, bool]:
+    return ("epe", test["epe"], True) if "epe" in test else ("accuracy", test["accuracy"], False)
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The two tables for docs/elastic.md."""
+    m, s = doc["machine"], doc["search"]
+    checks = doc["latency_checks"]
+    errs = [abs(c["rel_error"]) for c in checks]
+    within = sum(e <= 0.10 for e in errs)
+    out = ["_Generated by `benchmarks/elastic_search.py` from `benchmarks/results/elastic_search_"
+           f"{doc['task']}.json`; do not edit by hand._", "",
+           f"`{doc['supernet']}`; latency at batch 1, input {tuple(doc['latency_shape'])}, {doc['threads']} threads "
+           f"on {m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}; commit {doc['commit']}. Lookup table: "
+           f"{doc['table']['units']} unit timings, affine correction scale {doc['table']['scale']:.3f}, offset "
+           f"{doc['table']['overhead_ms']:.3f} ms fitted on the largest and smallest networks.", "",
+           f"**Latency predictor** on {len(checks)} random sub-networks it never timed whole: {within} of {len(checks)} "
+           f"within 10 % (target: all), median error {100 * sorted(errs)[len(errs) // 2]:.1f} %, worst "
+           f"{100 * max(errs):.1f} %.", "",
+           f"**Search vs. random** ({s['score']['kind']} scoring"
+           + (f", predictor on {s['score']['samples']} sub-networks, held-out rank correlation "
+              f"{s['score']['holdout_rank_correlation']:.2f}" if s['score']['kind'] == 'predictor' and
+              s['score'].get('holdout_rank_correlation') is not None else "")
+           + f"; evolution population {s['population']}, {s['iterations']} iterations; random: best of "
+             f"{s['random_samples']} under the budget by held-out score):", "",
+           "| budget | search: measured (predicted) latency | search: test | random best: latency | random best: test | search wins |",
+           "|---:|---:|---:|---:|---:|:---:|"]
+    for row in s["budgets"]:
+        a, r = row["search"], row["random"]
+        name, av, low = _metric(a["test"])
+        _, rv, _ = _metric(r["test"])
+        fmt = (lambda v: f"EPE {v:.3f}") if name == "epe" else (lambda v: f"{100 * v:.2f} %")
+        out.append(f"| {row['budget_ms']:.2f} ms | {a.get('measured_ms', float('nan')):.2f} ({a['predicted_ms']:.2f}) ms | "
+                   f"{fmt(av)} | {r.get('measured_ms', float('nan')):.2f} ({r['predicted_ms']:.2f}) ms | {fmt(rv)} | "
+                   f"{'✓' if row['search_beats_random_on_test'] else '✗'} |")
+    return "\n".join(out)
+
+
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Predicted vs measured latency; search and random answers per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    checks = doc["latency_checks"]
+    xs = [c["measured_ms"] for c in checks]
+    a1.scatter(xs, [c["predicted_ms"] for c in checks], s=12)
+    lim = [0, max(xs + [c["predicted_ms"] for c in checks]) * 1.05]
+    a1.plot(lim, lim, "k--", lw=0.8)
+    a1.plot(lim, [v * 1.1 for v in lim], ":", color="gray", lw=0.8)
+    a1.plot(lim, [v * 0.9 for v in lim], ":", color="gray", lw=0.8)
+    a1.set_xlabel("measured latency (ms)")
+    a1.set_ylabel("predicted latency (ms)")
+    a1.set_title("latency lookup table, unseen sub-networks")
+    rows = doc["search"]["budgets"]
+    name = _metric(rows[0]["search"]["test"])[0]
+    scale = 1.0 if name == "epe" else 100.0
+    for label, marker in (("search", "o"), ("random", "s")):
+        a2.plot([r["budget_ms"] for r in rows], [scale * _metric(r[label]["test"])[1] for r in rows], marker + "-",
+                label=label if label == "search" else f"best of {doc['search']['random_samples']} random")
+    a2.set_xlabel("latency budget (ms)")
+    a2.set_ylabel("test EPE (px)" if name == "epe" else "test accuracy (%)")
+    a2.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
