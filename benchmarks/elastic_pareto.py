@@ -36,12 +36,13 @@ import accuracy as acc  # noqa: E402  (the sibling script: machine, git commit)
 
 REPO = acc.REPO
 DOC = REPO / "docs" / "elastic.md"
+LOGS = Path(tempfile.gettempdir()) / "lowcomm-elastic-bench"  # per-step logs, to follow a long run
 
 TASKS: dict[str, dict[str, Any]] = {
     "stereo": {"model": "elastic_stereo", "data": "stereo", "optimizer": "adamw", "lr": 1e-3, "weight_decay": 0.0,
-               "batch_size": 16, "metric": "epe", "lower_is_better": True, "data_args": []},
+               "batch_size": 8, "metric": "epe", "lower_is_better": True, "data_args": []},
     "classifier": {"model": "elastic_cnn1d", "data": "mnist1d", "optimizer": "sgd", "lr": 0.05, "weight_decay": 5e-4,
-                   "batch_size": 64, "metric": "accuracy", "lower_is_better": False, "data_args": []},
+                   "batch_size": 32, "metric": "accuracy", "lower_is_better": False, "data_args": []},
 }
 
 
@@ -52,6 +53,7 @@ def train(args: argparse.Namespace, task: dict[str, Any], work: Path, name: str,
            "--optimizer", task["optimizer"], "--lr", str(task["lr"]), "--weight-decay", str(task["weight_decay"]),
            "--batch-size", str(task["batch_size"]), "--nproc", str(args.nproc), "--seed", str(args.seed),
            "--threads", str(args.threads), "--no-progress", "--quiet", "--json", str(out), *task["data_args"],
+           "--log", str(LOGS / f"{args.task}-{name}.jsonl"),
            *extra]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -109,8 +111,8 @@ def main() -> int:
     ap.add_argument("--phases", default=None)
     ap.add_argument("--subnets", default=None)
     ap.add_argument("--archs", type=int, default=5)
-    ap.add_argument("--nproc", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--latency-shape", default=None)
     ap.add_argument("--keep", required=True, help="the trained supernet file (kept for elastic_search.py)")
@@ -122,6 +124,7 @@ def main() -> int:
     for item in args.data_arg:
         task["data_args"] = [*task["data_args"], "--data-arg", item]
     results = REPO / "benchmarks" / "results" / f"elastic_pareto_{args.task}.json"
+    LOGS.mkdir(exist_ok=True)
     sup_path = Path(args.keep)
     if args.latency_only:
         doc = json.loads(results.read_text())
@@ -201,7 +204,7 @@ def markdown(doc: dict[str, Any]) -> str:
            f"{doc['task']}.json`; do not edit by hand._", "",
            f"`{t['model']}` on `{t['data']}`: supernet trained {t['epochs']} epochs in all ({phases}); each "
            f"architecture alone from scratch for the same {t['epochs']} epochs; {t['optimizer']} lr {t['lr']}, batch "
-           f"{t['batch_size']}, seed {t['seed']}, {t['nproc']} worker(s). Latency: batch 1, input "
+           f"{t['batch_size']} per worker, seed {t['seed']}, {t['nproc']} worker(s). Latency: batch 1, input "
            f"{tuple(t['latency_shape'])}, {doc['latency']['threads']} thread(s), {doc['latency']['stat']} of "
            f"{doc['latency']['repeats']} runs. Machine: {m['cpu']}, "
            f"{m['cpu_count']} cores, torch {m['torch']}; commit {doc['commit']}.", "",

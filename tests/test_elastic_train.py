@@ -13,6 +13,7 @@ from lowcomm.cli import main
 from lowcomm.elastic.shrinking import MultiNet, Phase, default_phases_text, parse_phases, step_configs
 from lowcomm.errors import UsageError
 from lowcomm.testing import run_distributed
+from tolerance import rel_err, tolerance
 
 DIGITS = ["--model", "elastic_cnn2d", "--data", "digits", "--batch-size", "64", "--lr", "0.05",
           "--no-progress", "--quiet", "--bn-batches", "2"]
@@ -150,13 +151,15 @@ def _two_rank_body(method: str) -> list[float]:
     after = torch.cat([p.detach().flatten() for p in trainer.supernet.parameters()])
     gathered = [torch.zeros_like(after) for _ in range(2)]
     dist.all_gather(gathered, after)
-    return [float((after - before).abs().max()), float((gathered[0] - gathered[1]).abs().max())]
+    return [float((after - before).abs().max()), rel_err(gathered[1], gathered[0])]
 
 
 @pytest.mark.parametrize("method", ["ssgd", "powersgd", "dear", "topk"])
 def test_two_workers_train_the_same_supernet_with_any_method(method: str) -> None:
+    # gloo may sum in a different order on each rank: the ranks agree to float32 rounding over
+    # 6 steps, far below one step's update (a rank that diverged would differ by ~lr * grad)
     for moved, disagreement in run_distributed(_two_rank_body, 2, method, timeout=240):
-        assert moved > 0 and disagreement == 0.0
+        assert moved > 1e-3 and disagreement <= tolerance(torch.float32, ops=100)
 
 
 def test_a_model_axis_method_is_refused_with_the_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,3 +178,23 @@ def test_misuse_is_one_line_and_exit_2(extra: list[str], message: str, capsys: p
     assert main(["elastic", "train", *DIGITS, *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_the_same_machinery_trains_an_elastic_classifier_on_cifar_files(tmp_path: Path) -> None:
+    import pickle
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"labels": rng.integers(0, 10, 4).tolist(),
+                         b"data": rng.integers(0, 256, (4, 3072), dtype=np.uint8)}, f)
+    out = tmp_path / "c.json"
+    assert main(["elastic", "train", "--model", "elastic_cnn2d", "--data", "cifar10", "--data-dir", str(tmp_path),
+                 "--phases", "full:1,kernel:1", "--steps", "2", "--batch-size", "4", "--no-progress", "--quiet",
+                 "--bn-batches", "1", "--json", str(out)]) == 0
+    s = json.loads(out.read_text())
+    assert s["data"] == "cifar10" and len(s["phases"]) == 2 and 0.0 <= s["final_test_accuracy"] <= 1.0

@@ -28,9 +28,13 @@ TINY_KWARGS: dict[str, dict] = {
     "cnn1d": {},
     "cnn2d": {},
     "mlp": {},
+    "elastic_cnn1d": {},
+    "elastic_cnn2d": {},
+    "elastic_stereo": {"max_disp": 16, "stem_channels": 4, "channels": (4, 6, 8), "stem_stride": 2,
+                       "depth_choices": (1, 2), "agg_channels": 4, "refine_channels": 4},
 }
 TINY_INPUT_SHAPE = {"resnet18_imagenet": (3, 64, 64), "resnet50_imagenet": (3, 64, 64),
-                    "wide_resnet50_2": (3, 64, 64)}
+                    "wide_resnet50_2": (3, 64, 64), "elastic_stereo": (6, 16, 32)}
 
 
 def test_every_registered_model_has_a_tiny_test_configuration() -> None:
@@ -52,6 +56,12 @@ def test_forward_backward_gives_contract_shapes_and_gradients(name: str) -> None
         assert out.shape == (b, kw.get("num_classes", meta.default_num_classes))
         target = torch.randint(0, out.shape[1], (b,))
         loss = nn.functional.cross_entropy(out, target)
+    elif meta.task == "stereo":
+        from lowcomm.elastic.stereo.loss import multiscale_loss
+
+        out = model(torch.randn(b, *TINY_INPUT_SHAPE[name]))
+        assert all(o.shape == (b, 16, 32) for o in out)  # one map per scale, then the refined one
+        loss = multiscale_loss(out, torch.rand(b, 16, 32) * 15 + 0.5, 16)
     else:
         vocab = kw["vocab_size"]
         x = torch.randint(0, vocab, (b, 9), dtype=torch.int64)

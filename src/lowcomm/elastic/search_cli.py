@@ -127,10 +127,11 @@ def latency_table(args: argparse.Namespace, net: Supernet, shape: tuple[int, ...
         for line in table.host_differences():
             print(f"lowcomm: warning: latency table measured elsewhere ({line})", file=sys.stderr)
         return table
-    rng = random.Random(args.seed + 1)
-    calibrate = [space.max_config(), space.min_config(), space.sample(rng)]
+    calibrate = [space.max_config(), space.min_config()]
     table = LatencyTable.measure(net, space, shape, repeats=args.latency_repeats, samples=args.latency_samples,
-                                 seed=args.seed, threads=args.threads, calibrate=calibrate, fit="affine")
+                                 seed=args.seed, threads=args.latency_threads, stat=args.latency_stat,
+                                 calibrate=calibrate if args.latency_fit != "none" else (),
+                                 fit=args.latency_fit if args.latency_fit != "none" else "offset")
     if args.latency_table:
         table.save(args.latency_table)
     return table
@@ -160,14 +161,15 @@ def score_function(args: argparse.Namespace, scorer: SubnetScorer) -> tuple[Any,
     return predictor, {"kind": "predictor", "samples": len(configs), "holdout_rank_correlation": held}
 
 
-def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float, measure: bool,
-            shape: tuple[int, ...], threads: int | None) -> dict[str, Any]:
+def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float, args: argparse.Namespace,
+            shape: tuple[int, ...]) -> dict[str, Any]:
     from lowcomm.elastic.latency import measure_network
 
     row: dict[str, Any] = {"config": config, "score": valid_score, "predicted_ms": table.predict(config),
                            "test": scorer.test(config)}
-    if measure:
-        row["measured_ms"] = measure_network(scorer.net.extract(config), shape, threads=threads)
+    if args.measure:
+        row["measured_ms"] = measure_network(scorer.net.extract(config), shape, threads=args.latency_threads,
+                                             stat=args.latency_stat, repeats=args.latency_repeats)
     return row
 
 
@@ -191,20 +193,21 @@ def search_budgets(args: argparse.Namespace, budgets: list[float]) -> dict[str, 
                                                      population=args.population, iterations=args.iterations,
                                                      rng=rng)
         found = _answer(scorer, table, best, scorer.score(best) if args.score != "direct" else best_score,
-                        args.measure, shape, args.threads)
+                        args, shape)
         found["history"] = history
         row: dict[str, Any] = {"budget_ms": budget, "search": found}
         if args.random:
             rbest, rscore, _ = random_search(net.space, scorer.score, table.predict, budget, n=args.random,
                                              rng=random.Random(args.seed + 3))
-            row["random"] = _answer(scorer, table, rbest, rscore, args.measure, shape, args.threads)
+            row["random"] = _answer(scorer, table, rbest, rscore, args, shape)
             key = "accuracy" if scorer.task == "classification" else "epe"
             better = (found["test"][key] > row["random"]["test"][key] if key == "accuracy"
                       else found["test"][key] < row["random"]["test"][key])
             row["search_beats_random_on_test"] = bool(better)
         rows.append(row)
     return {"command": "elastic search", "supernet": args.supernet, "model": blob["model"], "data": blob["data"],
-            "sample_shape": list(shape), "device": device_name("cpu"), "threads": torch.get_num_threads(),
+            "sample_shape": list(shape), "device": device_name("cpu"), "threads": args.latency_threads,
+            "latency_stat": args.latency_stat, "latency_repeats": args.latency_repeats,
             "latency_table": args.latency_table, "latency_units_measured_lazily": table.measured_lazily,
             "score": score_info, "population": args.population, "iterations": args.iterations,
             "random_samples": args.random, "subnet_evaluations": scorer.evaluations, "budgets": rows}
@@ -221,6 +224,7 @@ def _check(args: argparse.Namespace) -> None:
     check_count("--latency-samples", args.latency_samples, minimum=0)
     if args.threads is not None:
         check_count("--threads", args.threads)
+    check_count("--latency-threads", args.latency_threads)
 
 
 def run_search(args: argparse.Namespace) -> int:
@@ -310,7 +314,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-table", default=None,
                    help="JSON lookup table: read if it exists, else measured on this machine and written there")
     p.add_argument("--latency-shape", default=None, help="per-sample input shape for latency (default: the data's)")
-    p.add_argument("--latency-repeats", type=int, default=20, help="timed runs per unit (median kept)")
+    p.add_argument("--latency-repeats", type=int, default=30, help="timed runs per unit")
+    p.add_argument("--latency-stat", choices=("min", "median"), default="min",
+                   help="statistic of the timed runs (min: timeit's advice on a shared machine)")
+    p.add_argument("--latency-threads", type=int, default=1,
+                   help="torch threads while timing (the target device's; 1 by default)")
+    p.add_argument("--latency-fit", choices=("none", "offset", "affine"), default="none",
+                   help="correct the table's sums by timing the largest and smallest networks whole")
     p.add_argument("--latency-samples", type=int, default=30,
                    help="random sub-networks whose units are timed up front (others are timed when first met)")
     p.add_argument("--threads", type=int, default=None, help="torch threads while measuring and evaluating")

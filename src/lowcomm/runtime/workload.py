@@ -75,6 +75,8 @@ def model_kwargs_for_data(model: str, model_args: dict[str, Any], bundle: DataBu
         implied["vocab_size"] = bundle.vocab_size
     if bundle.task == "stereo":  # the model's disparity range follows the data's
         implied["max_disp"] = getattr(bundle.train, "max_disp", None)
+    if bundle.input_shape and len(bundle.input_shape) == 3 and bundle.task == "classification":
+        implied["in_channels"], implied["image_size"] = bundle.input_shape[0], bundle.input_shape[1]
     if bundle.input_shape:
         implied["input_dim"] = bundle.input_shape[0] if len(bundle.input_shape) == 1 else None
         implied = {k: v for k, v in implied.items() if v is not None}
