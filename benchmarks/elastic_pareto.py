@@ -66,7 +66,7 @@ def choose(net: Any, table: Any, n: int, seed: int) -> list[dict[str, list[int]]
     space = net.space
     rng = random.Random(seed)
     pool = {json.dumps(space.canonical(space.sample(rng)), sort_keys=True) for _ in range(400)}
-    scored = sorted((table.predict(json.loads(c)), json.loads(c)) for c in pool)
+    scored = sorted(((table.predict(json.loads(c)), json.loads(c)) for c in pool), key=lambda t: t[0])
     lo, hi = table.predict(space.min_config()), table.predict(space.max_config())
     chosen = [space.canonical(space.min_config())]
     for i in range(1, n - 1):

@@ -19,7 +19,7 @@ def supernet(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = folder / "net.pt"
     assert main(["elastic", "train", "--model", "elastic_cnn2d", "--data", "digits", "--phases",
                  "full:1,kernel:1,depth:1,expand:1", "--steps", "3", "--subnets", "depth=2,expand=2", "--lr", "0.05",
-                 "--no-progress", "--quiet", "--bn-batches", "1", "--out", str(path)]) == 0
+                 "--no-progress", "--quiet", "--bn-batches", "1", "--threads", "1", "--out", str(path)]) == 0
     return path
 
 

@@ -16,7 +16,7 @@ from lowcomm.testing import run_distributed
 from tolerance import rel_err, tolerance
 
 DIGITS = ["--model", "elastic_cnn2d", "--data", "digits", "--batch-size", "64", "--lr", "0.05",
-          "--no-progress", "--quiet", "--bn-batches", "2"]
+          "--no-progress", "--quiet", "--bn-batches", "2", "--threads", "1"]
 
 
 def _net() -> torch.nn.Module:
@@ -122,9 +122,9 @@ def test_scratch_trains_one_subnetwork_as_a_plain_module(tmp_path: Path) -> None
 
 
 def test_stop_and_resume_continues_the_phases_exactly(tmp_path: Path) -> None:
-    args = ["--phases", "full:1,kernel:1,depth:1", "--steps", "6", "--checkpoint-dir"]
+    args = ["--phases", "full:1,kernel:1,depth:1", "--steps", "4", "--checkpoint-dir"]
     straight = _train(tmp_path, *args, str(tmp_path / "a"), "--out", str(tmp_path / "a.pt"), name="a")
-    first = _train(tmp_path, *args, str(tmp_path / "b"), "--stop-after-steps", "8", name="b1")
+    first = _train(tmp_path, *args, str(tmp_path / "b"), "--stop-after-steps", "6", name="b1")
     assert first["stopped_in_phase"] == "kernel"
     resumed = _train(tmp_path, *args, str(tmp_path / "b"), "--resume", "--out", str(tmp_path / "b.pt"), name="b2")
     assert resumed["final_test_accuracy"] == straight["final_test_accuracy"]
@@ -195,6 +195,7 @@ def test_the_same_machinery_trains_an_elastic_classifier_on_cifar_files(tmp_path
     out = tmp_path / "c.json"
     assert main(["elastic", "train", "--model", "elastic_cnn2d", "--data", "cifar10", "--data-dir", str(tmp_path),
                  "--phases", "full:1,kernel:1", "--steps", "2", "--batch-size", "4", "--no-progress", "--quiet",
+                 "--threads", "1",
                  "--bn-batches", "1", "--json", str(out)]) == 0
     s = json.loads(out.read_text())
     assert s["data"] == "cifar10" and len(s["phases"]) == 2 and 0.0 <= s["final_test_accuracy"] <= 1.0

@@ -268,7 +268,7 @@ def run_extract(args: argparse.Namespace) -> int:
     test = {k.removeprefix("test_"): v for k, v in evaluate(
         sub, bundle.test, task=scorer.task, dist_info=Dist(), batch_size=512, amp=None, target_is_input=False,
         max_disp=scorer.max_disp).items()}
-    meta = {k: blob[k] for k in ("model", "model_args", "data", "data_dir", "data_args", "seed") if k in blob}
+    meta: dict[str, Any] = {k: blob[k] for k in ("model", "model_args", "data", "data_dir", "data_args", "seed") if k in blob}
     save_subnet(args.out, sub, config, {**meta, "supernet": args.supernet, "test": test})
     result = {"command": "elastic extract", "supernet": args.supernet, "config": config, "out": args.out,
               "params": sum(p.numel() for p in sub.parameters()), "test": test}
