@@ -127,8 +127,8 @@ class Trainer:
 
     @property
     def max_disp(self) -> float | None:
-        value: Any = getattr(self.raw, "max_disp", None)  # stereo models; None otherwise
-        return None if value is None else float(value)
+        """The model's largest disparity (stereo models), else None."""
+        return None if (value := getattr(self.raw, "max_disp", None)) is None else float(value)
 
     def _build(self, raw: nn.Module, resume_state: dict[str, Any] | None = None) -> None:
         """Prepare and wrap the model with the method, build optimizer and scheduler (again
