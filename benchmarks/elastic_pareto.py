@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -135,10 +134,8 @@ def main() -> int:
     results.write_text(json.dumps(doc, indent=2) + "\n")
     block = markdown(doc)
     print(block)
-    begin, end = f"<!-- elastic-pareto-{args.task}:begin -->", f"<!-- elastic-pareto-{args.task}:end -->"
-    if DOC.exists() and begin in DOC.read_text():
-        DOC.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), begin + "\n" + block + "\n" + end,
-                              DOC.read_text(), flags=re.S))
+    if DOC.exists():
+        acc.write_doc(DOC, f"elastic-pareto-{args.task}", block)
     plot(doc, REPO / "docs" / "img" / f"elastic_pareto_{args.task}.png")
     return 0
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -104,10 +103,8 @@ def main() -> int:
     results.write_text(json.dumps(doc, indent=2) + "\n")
     block = markdown(doc)
     print(block)
-    begin, end = f"<!-- elastic-search-{args.task}:begin -->", f"<!-- elastic-search-{args.task}:end -->"
-    if DOC.exists() and begin in DOC.read_text():
-        DOC.write_text(re.sub(re.escape(begin) + ".*?" + re.escape(end), begin + "\n" + block + "\n" + end,
-                              DOC.read_text(), flags=re.S))
+    if DOC.exists():
+        acc.write_doc(DOC, f"elastic-search-{args.task}", block)
     plot(doc, REPO / "docs" / "img" / f"elastic_search_{args.task}.png")
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,6 @@ REPO = acc.REPO
 RESULTS = REPO / "benchmarks" / "results" / "split_sweep.json"
 DOC = REPO / "docs" / "split.md"
 PLOT = REPO / "docs" / "img" / "split_accuracy_vs_traffic.png"
-BEGIN, END = "<!-- split-sweep:begin -->", "<!-- split-sweep:end -->"
 
 
 def run(args: argparse.Namespace, *extra: str, steps: int | None = None) -> dict[str, Any]:
@@ -152,10 +150,8 @@ def main() -> int:
     RESULTS.write_text(json.dumps(doc, indent=2) + "\n")
     block = table(doc)
     print(block)
-    if DOC.exists() and BEGIN in DOC.read_text():
-        text = DOC.read_text()
-        DOC.write_text(re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), BEGIN + "\n" + block + "\n" + END, text,
-                              flags=re.S))
+    if DOC.exists():
+        acc.write_doc(DOC, "split-sweep", block)
     plot(doc, PLOT)
     return 0
 

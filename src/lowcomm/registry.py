@@ -18,6 +18,20 @@ from lowcomm.errors import UsageError
 T = TypeVar("T")
 
 
+def lazy_exports(package: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package``: each public name in ``exports`` (name -> the
+    module that defines it) is imported on first use, so importing the package (the CLI's help,
+    its one-line errors) does not load torch-heavy modules."""
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__
+
+
 def package_modules(package: str) -> list[str]:
     """Dotted names of the public modules of ``package`` (no ``_private`` ones), sorted.
 

@@ -145,13 +145,13 @@ def failures(runs: Iterable[dict[str, Any]]) -> list[str]:
 
 
 def noise_warning(runs: Iterable[dict[str, Any]]) -> str | None:
-    """Flag rows faster than their own lower bound: the machine's load changed between runs."""
+    """Flag rows faster than their own lower bound: the bound or the measurement is wrong there."""
     below = [r["method"] for r in runs if r.get("status") == "ok" and (r.get("bound_ratio") or 1.0) < 0.95]
     if not below:
         return None
-    return (f"warning: {', '.join(below)} ran faster than the lower bound, which is impossible on a steady "
-            "machine: other load changed between runs (see load_avg_1m_before in the JSON); "
-            "re-run on an idle machine for trustworthy ratios")
+    return (f"warning: {', '.join(below)} ran faster than its lower bound, which a correct bound forbids: the "
+            "bound misses something this method does differently (compare compute_only_s, compress_bound_s and "
+            "wire_time_s in the JSON with the row's breakdown) or the timing is wrong; please report it")
 
 
 def prediction_note(net: dict[str, Any]) -> str | None:

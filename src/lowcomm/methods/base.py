@@ -113,6 +113,12 @@ class Method:
         """Change the model before it is wrapped (model axis). Default: unchanged."""
         return model
 
+    def compute_reference(self) -> str:
+        """The method spec whose run measures this method's computation alone (the bench's
+        lower bound). ``nocomm`` trains the model unchanged; a model-axis method names a run of
+        the model it really trains with no communication (its compute differs)."""
+        return "nocomm"
+
     # --- schedule / payload axis ------------------------------------------------------------
     def wrap(self, model: nn.Module, ctx: MethodContext) -> nn.Module:
         """Wrap for data parallelism. Default: DDP, then :meth:`register_hook`."""

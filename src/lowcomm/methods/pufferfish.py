@@ -103,6 +103,15 @@ def _nested(spec: str) -> str:
     return spec if "(" in spec else spec.replace(";", ",")
 
 
+def _option_text(value: object) -> str:
+    """An option value as ``--method`` reads it back (booleans lower-case; text with a comma in
+    parentheses, as nested specs are written)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    return f"({text})" if "," in text else text
+
+
 def _make_inner(key: str, spec: str) -> Method:
     """The method that option ``key`` (``warmup_method`` or ``then``) names, with its options."""
     spec = _nested(spec)
@@ -184,6 +193,17 @@ class Pufferfish(Method):
         return [ov for _, ov in chosen.values()]
 
     # --- model axis -------------------------------------------------------------------------
+    def compute_reference(self) -> str:
+        """This method's own options with no communication before and after the switch: the
+        factorized model's computation, which the full model's ``nocomm`` run overstates."""
+        o = self.options
+        parts = [f"{f.name}={_option_text(getattr(o, f.name))}" for f in dataclasses.fields(o)
+                 if f.name not in ("warmup_method", "then") and getattr(o, f.name) != f.default]
+        parts.append("then=nocomm")
+        if o.warmup_epochs > 0 or o.auto_switch:
+            parts.append("warmup_method=nocomm")
+        return "pufferfish:" + ",".join(parts)
+
     def prepare(self, model: nn.Module) -> nn.Module:
         """Before the switch: the dense model (stable ranks recorded for auto options);
         after it (or on resume after it): the model factorized in place at the chosen ranks."""

@@ -1,0 +1,83 @@
+"""What a bench row's method really trains and which compression kernels it runs.
+
+The lower bound (:mod:`lowcomm.bench.bounds`) needs two facts per method that the method
+spec alone does not show: the computation of the model it trains (Pufferfish trains a
+factorized model: :meth:`~lowcomm.methods.base.Method.compute_reference` names the run that
+measures it) and the codec its gradients go through, with the gradient shapes that codec sees
+(the factors' shapes after a factorization), for the kernel bound
+(:func:`lowcomm.bench.kernel_bound.compression_bound_s`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lowcomm import methods
+from lowcomm.methods.base import Method
+
+
+def compute_reference(spec: str) -> str:
+    """The spec of the run that measures ``spec``'s computation alone (``nocomm`` unless the
+    method changes the model)."""
+    return methods.create(spec).compute_reference()
+
+
+def _inner(method: Method) -> Method:
+    """The method that moves the gradients: a model-axis method's ``then`` method, or itself."""
+    then = getattr(method.options, "then", None)
+    if method.name == "pufferfish" and isinstance(then, str):
+        from lowcomm.methods.pufferfish import _make_inner
+
+        return _make_inner("then", then)
+    return method
+
+
+def codec_of(spec: str) -> tuple[str, dict[str, Any]] | None:
+    """``(codec name, its options as a dict)`` of the codec ``spec``'s gradients go through, or
+    None for methods that send plain (uncompressed, unencoded) gradients."""
+    from lowcomm.compress.codec import CODECS
+
+    method = _inner(methods.create(spec))
+    opts = method.options
+    if method.name in CODECS.names():
+        return method.name, _as_dict(opts)
+    name = str(getattr(opts, "compress", "none") or "none").strip().lower()
+    if name in ("", "none"):
+        return None
+    return name, _as_dict(getattr(opts, "codec_options", None))
+
+
+def _as_dict(options: Any) -> dict[str, Any]:
+    if options is None or not dataclasses.is_dataclass(options):
+        return {}
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+
+
+def trained_shapes(spec: str, model: str, *, model_kwargs: dict[str, Any] | None = None) -> list[tuple[int, ...]]:
+    """Gradient shapes of the model ``spec`` trains (after its :meth:`prepare`, e.g. the
+    factors of a Pufferfish model), built on the CPU from the same seed on every call."""
+    import torch
+
+    from lowcomm import models
+
+    torch.manual_seed(0)
+    net = models.create(model, **(model_kwargs or {}))
+    method = methods.create(spec)
+    if method.name == "pufferfish":
+        net = method.prepare(net)
+    return [tuple(p.shape) for p in net.parameters() if p.requires_grad]
+
+
+def compression_bound_s(spec: str, shapes: list[tuple[int, ...]], *, world: int, bandwidth: float,
+                        flops_per_s: float | None) -> float:
+    """The least ``spec``'s compression kernels can take per step on this machine (0 without a
+    codec): :func:`lowcomm.bench.kernel_bound.compression_bound_s` on the trained shapes."""
+    from lowcomm.bench import kernel_bound
+
+    codec = codec_of(spec)
+    if codec is None:
+        return 0.0
+    name, options = codec
+    return float(kernel_bound.compression_bound_s(name, shapes, world=world, bandwidth=bandwidth,
+                                                  flops_per_s=flops_per_s, **options))
