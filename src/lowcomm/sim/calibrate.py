@@ -21,12 +21,17 @@ Compute: a profile measured in one process on a quiet core is faster than the sa
 N worker processes sharing the machine's cores. The bench measures ``nocomm`` (the same
 workers, no communication); :func:`calibrate_compute` scales every compute time of the
 profile (layers, optimizer, compression kernels) by measured / predicted ``nocomm``.
+
+Contention: with real compute on CPU cores the collective library's threads share, every
+wire byte also costs the worker some compute time (:func:`measure_contention` measures it,
+:func:`fit_contention` is the arithmetic); ``NetworkModel.with_contention`` charges it.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import statistics
 from typing import Any, Mapping
 
 from lowcomm.comm.accounting import wire_bytes
@@ -149,5 +154,107 @@ def calibrate_compute(profile: Profile, measured_nocomm_s: float, *, workers: in
     return scale_profile(profile, factor), factor
 
 
-__all__ = ["KINDS", "calibrate_compute", "fit_collectives", "latency_steps", "network_from_probe",
-           "probe_wire_bytes", "scale_profile"]
+# -- contention: the collective library's threads take CPU from compute ---------------------
+def fit_contention(*, alone_iters: int, alone_s: float, with_iters: int, with_s: float,
+                   wire_bytes_moved: float) -> float:
+    """Compute seconds lost per wire byte, from a compute loop run alone and beside collectives.
+
+    The loop ran ``alone_iters`` iterations in ``alone_s`` alone, and ``with_iters`` in
+    ``with_s`` while this worker's collectives moved ``wire_bytes_moved`` bytes. At the alone
+    rate the latter iterations needed ``with_iters · alone_s / alone_iters``; the rest of
+    ``with_s`` is compute time the library took. Clamped at 0 (noise can make it negative).
+    """
+    if alone_iters <= 0 or alone_s <= 0 or with_s <= 0 or wire_bytes_moved <= 0:
+        raise ValueError("contention fit needs positive iterations, times and bytes, got "
+                         f"{alone_iters}, {alone_s}, {with_s}, {wire_bytes_moved}")
+    needed = with_iters * alone_s / alone_iters
+    return max(0.0, with_s - needed) / wire_bytes_moved
+
+
+def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threads: int,
+                     rounds: int) -> dict[str, float]:
+    """One rank of :func:`measure_contention` (module level: forked workers call it).
+
+    ``rounds`` alternations of a compute-alone phase and a compute-beside-all-reduces phase,
+    so that a drift in the machine's load (other jobs) hits both alike.
+    """
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    a, b = torch.randn(matmul_n, matmul_n, generator=g), torch.randn(matmul_n, matmul_n, generator=g)
+    buf = torch.ones(payload_elems)
+    phase = seconds / rounds
+
+    def compute_until(stop: Any) -> tuple[int, float]:
+        n, t0 = 0, time.perf_counter()
+        while not stop():
+            torch.mm(a, b)
+            n += 1
+        return n, time.perf_counter() - t0
+
+    # how many all-reduces fill one phase here (rank 0 decides, everyone runs the same count)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dist.all_reduce(buf)
+    count = torch.tensor([max(3, int(phase / max((time.perf_counter() - t0) / 3, 1e-6)))])
+    dist.broadcast(count, 0)
+    n_ops = int(count.item())
+    out = {"alone_iters": 0, "alone_s": 0.0, "with_iters": 0, "with_s": 0.0, "all_reduces": 0}
+    for _ in range(rounds):
+        dist.barrier()
+        t_end = time.perf_counter() + phase
+        i, t = compute_until(lambda end=t_end: time.perf_counter() >= end)
+        out["alone_iters"] += i
+        out["alone_s"] += t
+        done = threading.Event()
+
+        def comm(done: threading.Event = done) -> None:
+            for _ in range(n_ops):
+                dist.all_reduce(buf)
+            done.set()
+
+        dist.barrier()
+        th = threading.Thread(target=comm)
+        th.start()
+        i, t = compute_until(done.is_set)
+        th.join()
+        out["with_iters"] += i
+        out["with_s"] += t
+        out["all_reduces"] += n_ops
+    return out
+
+
+def measure_contention(workers: int = 4, *, seconds: float = 3.0, payload_mb: float = 4.0,
+                       matmul_n: int = 192, threads: int = 1, rounds: int = 3) -> dict[str, Any]:
+    """Measure :attr:`NetworkModel.cpu_s_per_wire_byte` on this machine (gloo, localhost).
+
+    ``workers`` processes (``threads`` torch threads each, as bench workers) run a matmul loop
+    for ``seconds`` alone and for about as long while a thread of the same process
+    all-reduces ``payload_mb`` buffers among them, in ``rounds`` alternating phases. Returns
+    the fitted seconds per wire byte (the median over ranks: one rank that an outside job
+    slowed says little) and each rank's raw numbers. The bench's emulated links are
+    slower than loopback; the CPU per byte (copies, reduction, syscalls per chunk) is taken
+    to be the same at any rate.
+    """
+    from lowcomm.testing import run_distributed
+
+    elems = max(1, int(payload_mb * 2**20 / 4))
+    res = run_distributed(_contention_rank, workers, timeout=60 + 6 * seconds, seconds=seconds,
+                          payload_elems=elems, matmul_n=matmul_n, threads=threads, rounds=rounds)
+    per_op = wire_bytes("all_reduce", elems * 4, workers)
+    ks = [fit_contention(alone_iters=int(r["alone_iters"]), alone_s=r["alone_s"],
+                         with_iters=int(r["with_iters"]), with_s=r["with_s"],
+                         wire_bytes_moved=per_op * r["all_reduces"]) for r in res]
+    return {"workers": workers, "threads": threads, "payload_bytes": elems * 4,
+            "cpu_s_per_wire_byte": statistics.median(ks), "per_rank": res,
+            "per_rank_cpu_s_per_wire_byte": ks}
+
+
+__all__ = ["KINDS", "calibrate_compute", "fit_collectives", "fit_contention", "latency_steps",
+           "measure_contention", "network_from_probe", "probe_wire_bytes", "scale_profile"]

@@ -28,7 +28,7 @@ from lowcomm.sim.advise import advise, candidates, caveat
 from lowcomm.sim.network import INTRA_PRESETS, NetworkModel, parse_intra, parse_network
 from lowcomm.sim.predict import Prediction, predict_iteration_time
 from lowcomm.sim.schedules import make_schedule
-from lowcomm.sim.profile import Profile
+from lowcomm.sim.profile import Profile, load_profile
 
 
 #: Largest worker count the simulator accepts: well past any real cluster (the docs cover
@@ -227,7 +227,7 @@ def default_methods(prof: Profile) -> list[str]:
 
 def run_simulate(args: argparse.Namespace) -> int:
     """``lowcomm simulate``: predict every method at every worker count."""
-    prof = Profile.load(args.profile)
+    prof = load_profile(args.profile)
     check_positive("--bucket-mb", args.bucket_mb)
     workers = parse_workers(args.workers)
     net: str | NetworkModel = args.net
@@ -264,7 +264,7 @@ def run_advise(args: argparse.Namespace) -> int:
     net = parse_network(args.net)
     methods = split_methods(args.methods) if args.methods is not None else candidates()
     if args.profile:
-        prof = Profile.load(args.profile)
+        prof = load_profile(args.profile)
     elif args.model:
         print(f"profiling {args.model} locally (batch {args.batch_size}, {args.device}) ...")
         prof = measure_profile(args.model, args.batch_size, args.device)
@@ -310,7 +310,9 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run_profile)
 
     s = sub.add_parser("simulate", help="predict iteration times of methods at scale")
-    s.add_argument("--profile", required=True, help="profile JSON from 'lowcomm profile' or by hand")
+    s.add_argument("--profile", required=True,
+                   help="profile JSON from 'lowcomm profile' or by hand, or a shipped GPU profile "
+                        "(v100|a100|h100 - resnet50|vgg16|bert-base|lstm-lm, e.g. a100-resnet50)")
     s.add_argument("--workers", default="8,64,1024", help="comma-separated worker counts")
     s.add_argument("--net", default="10gbit",
                    help="preset (1gbit,10gbit,25gbit,100gbit,infiniband,nvlink) or RATE, "
@@ -329,7 +331,9 @@ def register(sub: Any) -> None:
 
     a = sub.add_parser("advise", help="recommend the fastest method for a model, network and scale")
     a.add_argument("--model", default=None)
-    a.add_argument("--profile", default=None, help="use this profile instead of measuring")
+    a.add_argument("--profile", default=None,
+                   help="use this profile instead of measuring: a JSON path or a shipped GPU "
+                        "profile name (e.g. a100-resnet50)")
     a.add_argument("--net", required=True)
     a.add_argument("--workers", type=int, required=True)
     a.add_argument("--batch-size", type=int, default=32)

@@ -118,6 +118,10 @@ class NetworkModel:
     collective_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: β multiplier by collective kind (measured seconds per wire byte / link β)
     collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
+    #: compute seconds a worker loses per wire byte it moves (the collective library's threads
+    #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
+    #: Measured by :func:`lowcomm.sim.calibrate.measure_contention`.
+    cpu_s_per_wire_byte: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -168,6 +172,13 @@ class NetworkModel:
         """Seconds per wire byte of collective ``kind`` (link β times its calibrated scale)."""
         return self.inter.beta_s_per_byte * float(self.collective_beta_scale.get(kind, 1.0))
 
+    def with_contention(self, cpu_s_per_wire_byte: float) -> NetworkModel:
+        """A copy charging ``cpu_s_per_wire_byte`` of compute per wire byte (real compute on
+        CPU cores shared with the collective library; see docs/simulator.md §5.2)."""
+        if cpu_s_per_wire_byte < 0 or cpu_s_per_wire_byte != cpu_s_per_wire_byte:
+            raise UsageError(f"cpu_s_per_wire_byte must be >= 0, got {cpu_s_per_wire_byte}")
+        return replace(self, cpu_s_per_wire_byte=float(cpu_s_per_wire_byte))
+
     def with_calibration(self, alpha: Mapping[str, float], beta_scale: Mapping[str, float],
                          **kw: Any) -> NetworkModel:
         """A copy with per-collective α and β scale (see module docstring)."""
@@ -190,6 +201,8 @@ class NetworkModel:
             d["collective_alpha_s"] = dict(self.collective_alpha)
         if self.collective_beta_scale:
             d["collective_beta_scale"] = dict(self.collective_beta_scale)
+        if self.cpu_s_per_wire_byte:
+            d["cpu_s_per_wire_byte"] = self.cpu_s_per_wire_byte
         if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):
             d.update(intra_alpha_s=self.intra.alpha_s,
                      intra_bandwidth_bits_per_s=self.intra.bandwidth_bits_per_s,

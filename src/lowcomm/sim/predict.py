@@ -94,6 +94,7 @@ def predict_iteration_time(profile: Profile, method_spec: str, *, workers: int,
         "backward": total(lambda t: t.kind == "backward"),
         "optimizer": total(lambda t: t.kind == "optimizer"),
         "compress": total(lambda t: t.kind == "compress"),
+        "contention": total(lambda t: t.kind == "contention"),
         "comm": total(lambda t: t.kind == "comm"),
         "comm_exposed": max(0.0, iter_time - compute_busy),
     }

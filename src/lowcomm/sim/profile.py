@@ -193,3 +193,36 @@ class Profile:
         except json.JSONDecodeError as e:
             raise UsageError(f"profile {str(p)!r} is not valid JSON: {e}") from None
         return cls.from_dict(data, where=str(p))
+
+
+#: Where the shipped GPU profiles live (package data; built by ``lowcomm.sim.gpu_profiles``).
+SHIPPED_DIR = Path(__file__).with_name("profiles")
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the shipped profiles (``a100-resnet50``, ...), sorted."""
+    return sorted(p.stem for p in SHIPPED_DIR.glob("*.json"))
+
+
+def resolve_profile(spec: str) -> Path:
+    """A shipped profile's name or a path to a profile JSON -> the file to load.
+
+    A path that exists wins (so a measured ``a100-resnet50.json`` in the working directory is
+    used as given); otherwise the name (with or without ``.json``) must be a shipped one.
+    """
+    p = Path(spec)
+    if p.is_file():
+        return p
+    name = p.name[:-5] if p.name.endswith(".json") else p.name
+    shipped = SHIPPED_DIR / f"{name}.json"
+    if str(p.parent) in ("", ".") and shipped.is_file():
+        return shipped
+    raise UsageError(f"profile {spec!r} is neither a file nor a shipped profile; shipped: "
+                     f"{', '.join(shipped_profiles()) or '(none installed)'} "
+                     "(or measure one: lowcomm profile --device cuda)")
+
+
+def load_profile(spec: str) -> Profile:
+    """:func:`resolve_profile` then :meth:`Profile.load`."""
+    return Profile.load(resolve_profile(spec))
+

@@ -24,7 +24,7 @@ class Task:
     """One piece of work on one stream, with the interval the timeline placed it in."""
     name: str
     stream: str
-    kind: str  # forward | backward | optimizer | compress | comm | sync
+    kind: str  # forward | backward | optimizer | compress | comm | sync | contention
     iteration: int
     start: float
     end: float

@@ -141,8 +141,15 @@ class Sim:
             algorithm = self.net.algorithm if self.net.algorithm in ("hierarchical", "hybrid") else "flat"
         wire = self.net.wire_bytes_of(collective, payload, p, scope, algorithm)
         inter = self.net.inter_bytes(collective, payload, p, scope, algorithm)
-        return self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
+        task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
                            wire_bytes=wire, inter_bytes=inter)
+        cpu = self.net.cpu_s_per_wire_byte * wire
+        if cpu > 0:
+            # Real compute sharing cores with the library's threads: the CPU they take is
+            # charged to the compute stream when the collective is issued (not to the comm
+            # stream: the wire time is the probe's, which already includes those threads).
+            self.tl.add(f"cpu.{name}", "compute", cpu, kind="contention", iteration=it)
+        return task
 
     def forward_layer(self, i: int, it: int, after: Iterable[Task | None] = ()) -> Task:
         """Layer ``i``'s forward on the compute stream."""

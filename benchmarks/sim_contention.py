@@ -1,0 +1,105 @@
+"""Measure the CPU that gloo's threads take from compute and re-predict recorded bench rows with it.
+
+Real-compute bench rows on this machine run 4 workers on 2 shared cores: every byte gloo moves
+costs compute time (copies, reduction, syscalls on the cores the workers compute on). The
+simulator charges ``cpu_s_per_wire_byte`` of compute per wire byte when a network model
+carries it (``NetworkModel.with_contention``); this script measures it
+(``lowcomm.sim.calibrate.measure_contention``, a matmul loop alone vs beside all-reduces in
+the same process group) and re-predicts a recorded bench JSON with and without it, so the
+two can be compared row by row. Emulated-compute rows (``compute: emulated:*``) compute by
+waiting and take no CPU: they are predicted without contention.
+
+    python benchmarks/sim_contention.py docs/bench/resnet18_4w.json [--k 1.5e-9] [--profile P.json]
+
+Prints JSON: the measured constant, then per row measured / predicted (k = 0) / predicted (k).
+Timings on a loaded machine: compare the two predictions in the same run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from lowcomm.errors import UsageError
+
+
+def repredict(bench: dict[str, Any], prof: Any, k: float) -> list[dict[str, Any]]:
+    """Every real-compute ok row of ``bench`` predicted with contention ``k`` (s per wire byte)."""
+    from lowcomm.bench.prediction import network_model
+    from lowcomm.sim import predict_iteration_time
+    from lowcomm.sim.calibrate import calibrate_compute
+
+    out = []
+    world = bench["world_size"]
+    for info in bench.get("networks") or [bench["network"]]:
+        runs = [r for r in bench["runs"] if r.get("net") == info["requested"] and r.get("status") == "ok"]
+        nocomm = next((r for r in runs if r["method"] == "nocomm"), None)
+        if nocomm is None:
+            continue
+        ref = nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]]
+        net = network_model(info, world)
+        scaled, _ = calibrate_compute(prof, sum(ref) / len(ref), workers=world, network=net)
+        for r in runs:
+            emulated = str(r.get("compute", "real")).startswith("emulated")
+            used = net if emulated else net.with_contention(k)
+            try:
+                pred = predict_iteration_time(scaled, r.get("spec_run") or r["method"], workers=world,
+                                              network=used).iter_time_s
+            except UsageError:
+                continue
+            meas = r["iter_time_s_median"]
+            out.append({"net": r["net"], "method": r["method"], "measured_s": meas,
+                        "predicted_s": pred, "error": (pred - meas) / meas})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure (or take) the contention constant and re-predict one bench JSON."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("bench")
+    ap.add_argument("--k", type=float, default=None, help="seconds per wire byte (skip measuring)")
+    ap.add_argument("--workers", type=int, default=None, help="workers to measure with (default: the bench's)")
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--profile", default=None, help="profile JSON (default: profile the bench's model here)")
+    ap.add_argument("--save-profile", default=None)
+    args = ap.parse_args(argv)
+    bench = json.loads(Path(args.bench).read_text())
+    measured: dict[str, Any] = {}
+    if args.k is None:
+        from lowcomm.sim.calibrate import measure_contention
+
+        measured = measure_contention(args.workers or bench["world_size"], seconds=args.seconds,
+                                      threads=bench.get("threads_per_worker") or 1)
+        k = measured["cpu_s_per_wire_byte"]
+    else:
+        k = args.k
+    if args.profile:
+        from lowcomm.sim import Profile
+
+        prof = Profile.load(args.profile)
+    else:
+        from lowcomm.bench.prediction import measure
+
+        prof = measure(model=bench["model"], batch_size=bench["batch_size"],
+                       input_shape=bench.get("input_shape"), threads=bench.get("threads_per_worker"))
+        if args.save_profile:
+            prof.save(args.save_profile)
+    base = {(r["net"], r["method"]): r for r in repredict(copy.deepcopy(bench), prof, 0.0)}
+    rows = []
+    for r in repredict(bench, prof, k):
+        b = base[(r["net"], r["method"])]
+        rows.append({**r, "predicted_no_contention_s": b["predicted_s"], "error_no_contention": b["error"]})
+    within = sum(abs(r["error"]) <= 0.15 for r in rows if r["method"] != "nocomm")
+    within0 = sum(abs(r["error_no_contention"]) <= 0.15 for r in rows if r["method"] != "nocomm")
+    n = sum(r["method"] != "nocomm" for r in rows)
+    print(json.dumps({"cpu_s_per_wire_byte": k, "measurement": measured,
+                      "within_15pct": f"{within} of {n}", "within_15pct_no_contention": f"{within0} of {n}",
+                      "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""The CPU-contention model: its arithmetic, how the simulator charges it, and its probe."""
+
+from __future__ import annotations
+
+import pytest
+
+from lowcomm.errors import UsageError
+from lowcomm.sim import LayerProfile, NetworkModel, Profile, predict_iteration_time
+from lowcomm.sim.calibrate import fit_contention, measure_contention
+
+
+def test_fit_contention_is_compute_time_lost_per_wire_byte() -> None:
+    # 100 iterations/s alone; beside collectives 150 iterations took 2 s instead of 1.5 s
+    k = fit_contention(alone_iters=100, alone_s=1.0, with_iters=150, with_s=2.0, wire_bytes_moved=1e8)
+    assert k == pytest.approx(0.5 / 1e8, rel=1e-12)
+    # faster beside collectives than alone (noise) is no negative cost
+    assert fit_contention(alone_iters=100, alone_s=1.0, with_iters=300, with_s=2.0, wire_bytes_moved=1e8) == 0.0
+    with pytest.raises(ValueError):
+        fit_contention(alone_iters=0, alone_s=1.0, with_iters=1, with_s=1.0, wire_bytes_moved=1.0)
+
+
+def _profile() -> Profile:
+    return Profile(model="toy", batch_size=8, optimizer_s=1e-3,
+                   layers=[LayerProfile(f"l{i}", 1e-2, 2e-2, [[1024, 256]]) for i in range(4)])
+
+
+def test_simulator_charges_k_per_wire_byte_to_compute_and_nothing_without_it() -> None:
+    net = NetworkModel.preset("10gbit")
+    k = 2e-9
+    plain = predict_iteration_time(_profile(), "ssgd", workers=4, network=net)
+    loaded = predict_iteration_time(_profile(), "ssgd", workers=4, network=net.with_contention(k))
+    assert plain.breakdown_s["contention"] == 0.0
+    assert loaded.breakdown_s["contention"] == pytest.approx(k * loaded.wire_bytes_per_worker, rel=1e-9)
+    assert loaded.wire_bytes_per_worker == plain.wire_bytes_per_worker
+    # the wire is unchanged; compute got longer, so the iteration cannot get shorter
+    assert loaded.breakdown_s["comm"] == pytest.approx(plain.breakdown_s["comm"], rel=1e-12)
+    assert loaded.iter_time_s >= plain.iter_time_s
+    assert predict_iteration_time(_profile(), "nocomm", workers=4, network=net.with_contention(k)
+                                  ).iter_time_s == pytest.approx(plain.breakdown_s["forward"]
+                                                                 + plain.breakdown_s["backward"] + 1e-3)
+
+
+def test_contention_must_be_a_non_negative_number() -> None:
+    with pytest.raises(UsageError):
+        NetworkModel.preset("1gbit").with_contention(-1e-9)
+    assert NetworkModel.preset("1gbit").with_contention(1e-9).describe()["cpu_s_per_wire_byte"] == 1e-9
+
+
+def test_measure_contention_runs_on_two_workers() -> None:
+    res = measure_contention(2, seconds=0.3, payload_mb=0.5, matmul_n=64)
+    assert res["workers"] == 2 and len(res["per_rank"]) == 2
+    assert res["cpu_s_per_wire_byte"] >= 0.0
+    assert all(r["all_reduces"] >= 3 for r in res["per_rank"])
