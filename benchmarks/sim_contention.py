@@ -4,7 +4,7 @@ Real-compute bench rows on this machine run 4 workers on 2 shared cores: every b
 costs compute time (copies, reduction, syscalls on the cores the workers compute on). The
 simulator charges ``cpu_s_per_wire_byte`` of compute per wire byte when a network model
 carries it (``NetworkModel.with_contention``); this script measures it
-(``lowcomm.sim.calibrate.measure_contention``, a matmul loop alone vs beside all-reduces in
+(``lowcomm.bench.contention.measure_contention``, a matmul loop alone vs beside all-reduces in
 the same process group) and re-predicts a recorded bench JSON with and without it, so the
 two can be compared row by row. Emulated-compute rows (``compute: emulated:*``) compute by
 waiting and take no CPU: they are predicted without contention.
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = json.loads(Path(args.bench).read_text())
     measured: dict[str, Any] = {}
     if args.k is None:
-        from lowcomm.sim.calibrate import measure_contention
+        from lowcomm.bench.contention import measure_contention
 
         measured = measure_contention(args.workers or bench["world_size"], seconds=args.seconds,
                                       threads=bench.get("threads_per_worker") or 1)

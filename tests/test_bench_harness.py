@@ -174,7 +174,8 @@ def test_rows_get_the_simulators_prediction_calibrated_by_nocomm(tmp_path: Path)
         return fake_launcher(worker_args, nproc, **kw)
 
     cfg = config(tmp_path, ["ssgd", "torch_fp16"], predict=True)
-    result = harness.run_bench(cfg, launcher=launcher, profiler=lambda c: prof, collective_probe=probe)
+    result = harness.run_bench(cfg, launcher=launcher, profiler=lambda c: prof, collective_probe=probe,
+                               contention_probe=lambda c: 0.0)
     rows = {r["method"]: r for r in result["runs"]}
     assert len(probe_calls) == 1
     pred = result["network"]["prediction"]

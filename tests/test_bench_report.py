@@ -76,3 +76,14 @@ def test_measured_interface_bytes_column_sits_next_to_counted_bytes(result: dict
     row = next([c.strip() for c in ln.strip("|").split("|")] for ln in lines if ln.startswith("| ssgd "))
     assert row[cells.index("MB sent (IP)")] == f"{ssgd['measured_tx_bytes_per_iter'] / 1e6:.3g}"
     assert row[cells.index("pred err")] == "+10%"
+
+
+def test_emulated_compute_rows_and_compute_references_are_labelled(result: dict) -> None:
+    result = copy.deepcopy(result)
+    ok = [r for r in result["runs"] if r["status"] == "ok"]
+    for r in ok:
+        r["compute"] = "emulated:a100-resnet50"
+    ok[-1]["method"] = ok[-1]["compute_reference"] = "pufferfish:then=nocomm"
+    rows = [ln for ln in report.markdown(result).splitlines() if ln.startswith("| ") and not ln.startswith("| method")]
+    assert rows and all("(compute emulated)" in row for row in rows)
+    assert any(row.startswith("| pufferfish:then=nocomm (compute only) (compute emulated)") for row in rows)

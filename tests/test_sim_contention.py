@@ -6,7 +6,8 @@ import pytest
 
 from lowcomm.errors import UsageError
 from lowcomm.sim import LayerProfile, NetworkModel, Profile, predict_iteration_time
-from lowcomm.sim.calibrate import fit_contention, measure_contention
+from lowcomm.bench.contention import measure_contention
+from lowcomm.sim.calibrate import fit_contention
 
 
 def test_fit_contention_is_compute_time_lost_per_wire_byte() -> None:

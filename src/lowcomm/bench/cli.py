@@ -84,6 +84,10 @@ def register(sub: Any) -> None:
                    help="model constructor argument passed to the workers, e.g. hidden=1024 (repeatable)")
     p.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                    help="extra argument passed to every `lowcomm train` worker (repeatable)")
+    p.add_argument("--compute", default="real", metavar="real|emulated:PROFILE|emulated:scale=K",
+                   help="emulated: every layer's forward/backward waits a profile's time instead of computing "
+                        "(a file from `lowcomm profile`, a shipped name, or this machine's profile divided by "
+                        "K), so schedules are compared as on GPUs; rows say 'compute emulated'")
     p.set_defaults(func=run)
 
 
@@ -101,6 +105,24 @@ def _check_kv(text: str) -> str:
     if "=" not in text:
         raise UsageError(f"--model-arg expects KEY=VALUE, got {text!r}")
     return text
+
+
+def _check_compute(text: str, *, tta: bool, batch_size: int) -> str:
+    """``--compute``, checked once here (the workers get it as ``lowcomm train --compute``)."""
+    from lowcomm.runtime.compute_spec import parse_compute
+
+    spec = parse_compute(text)
+    if spec.emulated and tta:
+        raise UsageError(f"--compute {spec.text} times iterations only (the layers compute nothing, so "
+                         "there is no accuracy to reach); drop --epochs")
+    if spec.path is not None:
+        from lowcomm.sim.profile import Profile
+
+        profile = Profile.load(spec.path)
+        if profile.batch_size != batch_size:
+            raise UsageError(f"--compute {spec.text}: the profile was measured at batch {profile.batch_size} per "
+                             f"worker; use --batch-size {profile.batch_size}")
+    return spec.label
 
 
 def node_layout(nproc: int | None, nodes: int | None, per_node: int | None) -> tuple[int, int | None]:
@@ -166,13 +188,15 @@ def build_config(args: argparse.Namespace) -> Any:
     if data not in data_mod.names():
         data_mod.DATASETS.get(data)
     harness.check_capacity(nproc, model)
+    compute = _check_compute(args.compute, tta=tta, batch_size=args.batch_size)
     threads = args.threads or max(1, (os.cpu_count() or 1) // nproc)
     return harness.BenchConfig(
         methods=methods, nets=nets, nproc=nproc, nproc_per_node=per_node, model=model, data=data,
         input_shape=args.input_shape if data == "synthetic" else None, batch_size=args.batch_size,
         iters=args.iters, warmup=args.warmup, epochs=args.epochs, threads=threads,
         timeout_s=args.timeout, work_dir=args.work_dir, compute_only=not args.no_compute_only,
-        extra_train_args=[a for kv in args.model_arg for a in ("--model-arg", _check_kv(kv))] + list(args.train_arg),
+        extra_train_args=([a for kv in args.model_arg for a in ("--model-arg", _check_kv(kv))] + list(args.train_arg)
+                          + (["--compute", compute] if compute != "real" else [])),
         quiet=args.quiet, predict=not args.no_predict,
     )
 
@@ -184,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     result = tta.annotate(harness.run_bench(cfg))  # time-to-accuracy runs: target, times, speed-ups
     report.print_table(result)
+    if result.get("compute", "real") != "real":
+        print(f"compute emulated: every row above ran with --compute {result['compute']} "
+              "(layers wait the profile's times; communication and compression are real)")
     if args.json:
         report.write_json(result, args.json)
         print(f"wrote {args.json}")

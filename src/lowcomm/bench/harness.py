@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from lowcomm.bench import bounds, collprobe, netns, prediction
+from lowcomm.bench import bounds, collprobe, netns, prediction, trained
 from lowcomm.bench.environment import machine, network
 from lowcomm.bench.runner import BenchConfig, Launcher, run_method
 from lowcomm.errors import UsageError
@@ -103,12 +103,97 @@ def check_capacity(nproc: int, model: str, *, cpus: int | None = None, available
 # --- the whole benchmark ------------------------------------------------------------------
 
 
+def compute_label(cfg: BenchConfig) -> str:
+    """The workers' ``--compute`` (``real`` or ``emulated:<what>``), as every row records it."""
+    given = getattr(cfg, "compute", None)
+    if given:
+        return str(given)
+    args = cfg.extra_train_args
+    labels = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--compute"]
+    labels += [a.split("=", 1)[1] for a in args if a.startswith("--compute=")]
+    return labels[-1] if labels else "real"
+
+
 def _profile(cfg: BenchConfig) -> Any:
-    """The simulator's profile of the bench's model, measured here with the workers' settings."""
+    """The simulator's profile of the bench's model, measured here with the workers' settings.
+
+    With emulated compute the layer times are the emulation's (the profile file, or this
+    measurement divided by K); the optimizer step and the compression costs stay this
+    machine's, because they run for real."""
     if "--model-arg" in cfg.extra_train_args:
         raise UsageError("predictions do not support --model-arg yet (the profile would be of the default model)")
-    return prediction.measure(model=cfg.model, batch_size=cfg.batch_size, input_shape=cfg.input_shape,
-                              threads=cfg.threads)
+    from lowcomm.runtime.compute_spec import parse_compute
+
+    spec = parse_compute(compute_label(cfg))
+    if spec.kind in ("file", "name"):  # the layers' times are the file's: measure only what runs here
+        return _emulated_file_profile(cfg, str(spec.path), spec.text)
+    measured = prediction.measure(model=cfg.model, batch_size=cfg.batch_size, input_shape=cfg.input_shape,
+                                  threads=cfg.threads)
+    if not spec.emulated:
+        return measured
+    from lowcomm.runtime.emulated import scaled
+
+    assert spec.scale is not None
+    profile = scaled(measured, spec.scale)
+    profile.notes = (profile.notes + "; " if profile.notes else "") + (
+        f"compute emulated ({spec.text}): layer times emulated, optimizer and compression costs measured here")
+    return profile
+
+
+def _emulated_file_profile(cfg: BenchConfig, path: str, text: str) -> Any:
+    """A profile file's layer times with this machine's optimizer step and compression costs
+    (measured with the workers' threads: they run for real under emulated compute)."""
+    import statistics
+    import time
+
+    import torch
+
+    from lowcomm import models
+    from lowcomm.sim.profile import Profile
+    from lowcomm.sim.profiler import measure_compressors, measure_costs
+
+    profile = Profile.load(path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or before)
+    try:
+        shape = tuple(int(v) for v in cfg.input_shape.split(",")) if cfg.input_shape else None
+        kwargs = models.kwargs_for_data(cfg.model, input_shape=shape) if shape else {}
+        params = [p for p in models.create(cfg.model, **kwargs).parameters() if p.requires_grad]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.SGD(params, lr=1e-6, momentum=0.9)  # as lowcomm.sim.profiler times it
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - start)
+        profile.optimizer_s = statistics.median(times[1:])
+        profile.costs, profile.compressors = measure_costs("cpu"), measure_compressors("cpu")
+    finally:
+        torch.set_num_threads(before)
+    profile.notes = (profile.notes + "; " if profile.notes else "") + (
+        f"compute emulated ({text}): layer times from the file, optimizer and compression costs measured here")
+    return profile
+
+
+def _contention(cfg: BenchConfig) -> float:
+    """Seconds of compute gloo's threads take per wire byte with the bench's workers and threads."""
+    from lowcomm.bench.contention import measure_contention
+
+    return float(measure_contention(cfg.nproc, threads=cfg.threads or 1)["cpu_s_per_wire_byte"])
+
+
+def _reference_of(spec: str) -> str:
+    """The compute reference of one method spec (``nocomm`` where the spec cannot be read)."""
+    try:
+        return trained.compute_reference(spec)
+    except UsageError:
+        return "nocomm"
+
+
+def _compute_references(methods: list[str]) -> dict[str, str]:
+    """method -> the run that measures its computation alone (:mod:`lowcomm.bench.trained`)."""
+    return {m: _reference_of(m) for m in methods}
 
 
 def _collectives(cfg: BenchConfig, cluster: netns.Cluster | None, bits_per_s: float | None, work: Path) -> dict[str, Any]:
@@ -123,6 +208,7 @@ def run_bench(
     log: Callable[[str], None] | None = None,
     profiler: Callable[[BenchConfig], Any] | None = None,
     collective_probe: Callable[..., dict[str, Any]] | None = None,
+    contention_probe: Callable[[BenchConfig], float] | None = None,
 ) -> dict[str, Any]:
     """Run every method on every network; return the result dict (see DESIGN.md section 3).
 
@@ -152,6 +238,7 @@ def run_bench(
         "epochs": cfg.epochs,
         "threads_per_worker": cfg.threads,
         "machine": machine(),
+        "compute": compute_label(cfg),  # "real" or "emulated:<what>" (every row says it too)
         "work_dir": str(work),
         "networks": [],
         "runs": [],
@@ -162,6 +249,11 @@ def run_bench(
     }
     compute_only: float | None = None
     started = time.perf_counter()
+    rates = None
+    if cfg.compute_only and not cfg.tta:  # the kernel bound's denominators, measured once
+        rates = trained.machine_rates(cfg.threads)
+        result["kernel_bound_rates"] = rates
+    references = _compute_references(methods)
     profile = None
     predict = cfg.predict and not cfg.tta
     if predict:
@@ -179,6 +271,16 @@ def run_bench(
         except Exception as e:  # noqa: BLE001 - predictions are an extra; the bench still runs
             result["prediction"] = {"error": f"{type(e).__name__}: {e}"}
             say(f"  no predictions: {result['prediction']['error']}")
+    contention = 0.0
+    if profile is not None and result["compute"] == "real":
+        say("lowcomm bench: measuring the CPU gloo's threads take from compute (for the predictions) ...")
+        try:
+            contention = (contention_probe or _contention)(cfg)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - predictions are an extra
+            say(f"  no contention term: {type(e).__name__}: {e}")
+        result["prediction"]["contention_s_per_wire_byte"] = contention
     for n_idx, spec in enumerate(cfg.nets):
         say(f"lowcomm bench: network {spec.label()}")
         try:
@@ -193,7 +295,7 @@ def run_bench(
                     say(f"  {info['error']}")
                     for m in methods:
                         result["runs"].append({"method": m, "net": spec.requested, "status": "failed",
-                                               "reason": info["error"]})
+                                               "reason": info["error"], "compute": result["compute"]})
                     continue
                 if profile is not None:
                     say("  probing gloo collectives (latency and bandwidth per kind) ...")
@@ -216,6 +318,8 @@ def run_bench(
                         # measured again after the methods: the faster of the two is the reference
                         # (a load spike during one nocomm run would skew every bound and prediction)
                         order.append("nocomm")
+                if cfg.compute_only and not cfg.tta:  # model-axis methods: their own model, no communication
+                    order[1:1] = [r for r in dict.fromkeys(references.values()) if r != "nocomm" and r not in order]
                 for k, m in enumerate(order):
                     say(f"  running {m} on {cfg.nproc} workers ...")
                     again = m == "nocomm" and k > 0 and "nocomm" in order[:k]
@@ -227,6 +331,7 @@ def run_bench(
                     except Exception as e:  # noqa: BLE001 - one broken method must not stop the others
                         row = {"method": m, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
                     row["net"] = spec.requested
+                    row["compute"] = result["compute"]
                     say(f"    {m}: " + (f"{row['iter_time_s_median']:.3g} s/iter" if row["status"] == "ok"
                                          else f"FAILED ({row['reason']})"))
                     if again:
@@ -242,18 +347,25 @@ def run_bench(
                         compute_only = row["iter_time_s_median"]
                     rows.append(row)
                 ssgd = next((r for r in rows if r["method"] == "ssgd" and r["status"] == "ok"), None)
+                measured = {r["method"]: r["iter_time_s_median"] for r in rows if r["status"] == "ok"}
                 for r in rows:
                     if r["status"] == "ok":
+                        ref = references.get(r["method"]) or _reference_of(r["method"])
+                        r["compute_reference"] = ref
                         r.update(bounds.derive(
                             r, batch_size=cfg.batch_size, world_size=cfg.nproc, bits_per_s=bw,
-                            compute_only_s=compute_only,
+                            compute_only_s=compute_only if ref == "nocomm" else measured.get(ref),
                             ssgd_iter_s=ssgd["iter_time_s_median"] if ssgd else None,
                             nproc_per_node=cfg.nproc_per_node or 1,
+                            compress_bound_s=trained.row_compression_bound_s(r, world=cfg.nproc, rates=rates),
+                            compute_full_model_s=compute_only,
                         ))
+                    r.pop("grad_shapes", None)  # used; 100s of shapes per row would bury the JSON
                 if profile is not None:
                     try:
                         info["prediction"] = prediction.add_predictions(rows, profile, info, workers=cfg.nproc,
-                                                                        nproc_per_node=cfg.nproc_per_node or 1)
+                                                                        nproc_per_node=cfg.nproc_per_node or 1,
+                                                                        contention_s_per_byte=contention)
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:  # noqa: BLE001
@@ -268,7 +380,8 @@ def run_bench(
             done = {r["method"] for r in result["runs"] if r.get("net") == spec.requested}
             for m in methods:
                 if m not in done:
-                    result["runs"].append({"method": m, "net": spec.requested, "status": "failed", "reason": str(e)})
+                    result["runs"].append({"method": m, "net": spec.requested, "status": "failed", "reason": str(e),
+                                           "compute": result["compute"]})
     result["network"] = result["networks"][0] if result["networks"] else None
     result["total_wall_s"] = time.perf_counter() - started
     with contextlib.suppress(OSError):

@@ -58,7 +58,8 @@ def plot(result: dict[str, Any], path: str | Path) -> list[Path]:
 
 def _subtitle(result: dict[str, Any]) -> str:
     return (f"{result.get('model')} ({result.get('data_label', result.get('data'))}), "
-            f"{result.get('world_size')} workers, batch {result.get('batch_size')}/worker")
+            f"{result.get('world_size')} workers, batch {result.get('batch_size')}/worker"
+            + (f", compute emulated ({result['compute']})" if str(result.get("compute", "real")) != "real" else ""))
 
 
 def breakdown_axis(ax: Any, result: dict[str, Any], net: dict[str, Any]) -> None:

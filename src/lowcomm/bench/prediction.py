@@ -73,13 +73,19 @@ def network_model(info: dict[str, Any], workers: int, nproc_per_node: int = 1) -
 
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
-                    workers: int, nproc_per_node: int = 1) -> dict[str, Any]:
-    """Fill the prediction keys of every ok row in place; return what was used (for the JSON)."""
+                    workers: int, nproc_per_node: int = 1, contention_s_per_byte: float = 0.0) -> dict[str, Any]:
+    """Fill the prediction keys of every ok row in place; return what was used (for the JSON).
+
+    ``contention_s_per_byte`` (:func:`lowcomm.bench.contention.measure_contention`): the compute
+    seconds gloo's threads take per wire byte when workers share this machine's cores; charged
+    to rows with real compute only (emulated compute waits, leaving the cores to gloo).
+    """
     from lowcomm.sim import predict_iteration_time
     from lowcomm.sim.calibrate import calibrate_compute
 
     net = network_model(info, workers, nproc_per_node)
-    used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None}
+    used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None,
+                            "contention_s_per_wire_byte": contention_s_per_byte}
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
     prof = profile
     if nocomm:
@@ -98,7 +104,9 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
             continue
         spec = r.get("spec_run") or r["method"]
         try:
-            pred = predict_iteration_time(prof, spec, workers=workers, network=net)
+            emulated = str(r.get("compute", "real")).startswith("emulated")
+            shared = net if emulated or not contention_s_per_byte else net.with_contention(contention_s_per_byte)
+            pred = predict_iteration_time(prof, spec, workers=workers, network=shared)
         except UsageError as e:
             r["predicted_iter_time_s"] = None
             r["prediction_note"] = str(e)

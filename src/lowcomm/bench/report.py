@@ -81,7 +81,9 @@ def _fmt(key: str, run: dict[str, Any]) -> str:
     if v is None:
         return "-"
     if key == "method":
-        return str(v) + (" (compute only)" if v == "nocomm" else "")
+        role = " (compute only)" if v == "nocomm" or run.get("compute_reference") == v else ""
+        emulated = " (compute emulated)" if str(run.get("compute", "real")) != "real" else ""
+        return str(v) + role + emulated
     if key in ("bytes_per_worker_per_iter", "measured_tx_bytes_per_iter", "inter_node_bytes_per_worker_per_iter"):
         return f"{v / 1e6:.3g}"
     if key == "prediction_error":

@@ -244,7 +244,7 @@ def run_method(
     row.update(status="ok")
     for key in ("iter_time_s_median", "bytes_per_worker_per_iter", "bytes_sent_per_worker", "breakdown_s",
                 "measured_tx_bytes_per_iter", "params", "timed_steps", "threads", "final_test_accuracy", "method_info", "synthetic",
-                "inter_node_bytes_per_worker_per_iter"):
+                "inter_node_bytes_per_worker_per_iter", "grad_shapes", "compute", "compute_profile"):
         if key in summary:
             row[key] = summary[key]
     row.setdefault("inter_node_bytes_per_worker_per_iter", None)

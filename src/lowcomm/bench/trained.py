@@ -81,3 +81,34 @@ def compression_bound_s(spec: str, shapes: list[tuple[int, ...]], *, world: int,
     name, options = codec
     return float(kernel_bound.compression_bound_s(name, shapes, world=world, bandwidth=bandwidth,
                                                   flops_per_s=flops_per_s, **options))
+
+
+def machine_rates(threads: int | None) -> dict[str, float]:
+    """This machine's copy bandwidth (bytes/s, read + write) and tall-skinny matmul rate
+    (FLOP/s), measured with the workers' threads: the kernel bound's denominators."""
+    import torch
+
+    from lowcomm.bench import kernel_bound
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return {"copy_bytes_per_s": kernel_bound.copy_bandwidth_bytes_per_s(),
+                "matmul_flops_per_s": kernel_bound.matmul_flops_per_s()}
+    finally:
+        torch.set_num_threads(before)
+
+
+def row_compression_bound_s(row: dict[str, Any], *, world: int, rates: dict[str, float] | None) -> float | None:
+    """The kernel bound of one bench row, from the shapes its workers trained (``grad_shapes``
+    in their summary); None when unknown (the bound then uses the measured compression time)."""
+    from lowcomm.errors import UsageError
+
+    shapes = row.get("grad_shapes")
+    if not rates or not shapes:
+        return None
+    try:
+        return compression_bound_s(row.get("spec_run") or row["method"], [tuple(s) for s in shapes], world=world,
+                                   bandwidth=rates["copy_bytes_per_s"], flops_per_s=rates["matmul_flops_per_s"])
+    except UsageError:
+        return None

@@ -297,6 +297,20 @@ def strip_parens(value: str) -> str:
     return value
 
 
+def options_spec(options: Any, **replace: str) -> str:
+    """``key=value,...`` that :func:`parse_options` reads back into ``options``: the fields that
+    differ from their defaults, then ``replace`` (booleans lower-case, text with a comma in
+    parentheses, as nested specs are written)."""
+    def text(value: object) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return f"({value})" if "," in str(value) else str(value)
+
+    items = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+             if f.name not in replace and getattr(options, f.name) != f.default}
+    return ",".join(f"{k}={text(v)}" for k, v in {**items, **replace}.items())
+
+
 def parse_options(method_name: str, options_cls: type, text: str) -> Any:
     """Parse ``key=value,key=value`` into ``options_cls``; refuse unknown keys clearly.
 

@@ -6,20 +6,17 @@
 (every rank factorizes its identical weights by a deterministic CPU SVD), re-wraps with the
 ``then`` method (default ``ssgd``: the factors' gradients are small) and rebuilds optimizer
 (state reset, as in the paper) and LR scheduler (continuing where it was). ``rewarmup_epochs``
-ramps the LR back up after the reset: a :class:`lowcomm.optim.Rewarmup` the scheduler
-multiplies in (:meth:`lr_multiplier`). ``frob_decay``: :func:`lowcomm.optim.frobenius_decay_`.
+ramps the LR back up after the reset (:class:`lowcomm.optim.Rewarmup`, :meth:`lr_multiplier`);
+``frob_decay``: :func:`lowcomm.optim.frobenius_decay_`.
 
 Why any method on both sides of the switch: the model axis (what is trained) and the
-payload/schedule axes (how gradients travel) are independent, so the inner methods are
-ordinary registry methods with any options; nested specs go in parentheses,
-``then=(acpsgd:rank=4,start_iter=5)`` (``;`` separators: a deprecated alias).
+payload/schedule axes (how gradients travel) are independent, so the inner methods are any
+registry methods; nested specs go in parentheses, ``then=(acpsgd:rank=4,start_iter=5)``.
 
-``auto_rank``/``auto_switch`` (Cuttlefish-style) are decided on rank 0 and broadcast, so every
-rank builds the same architecture. Checkpoints hold the switch, every layer's rank and the
-current inner method's state; on resume :meth:`prepare` rebuilds the factorized structure
-before the saved weights are loaded, and :meth:`wrap` restores the inner method's state.
+``auto_rank``/``auto_switch`` (Cuttlefish-style) are decided on rank 0 and broadcast. Checkpoints
+hold the switch, every layer's rank and the inner method's state; on resume :meth:`prepare`
+rebuilds the factorized structure before the weights are loaded, :meth:`wrap` restores the state.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +32,7 @@ from lowcomm.errors import UsageError, check_fraction, check_positive
 from lowcomm.lowrank.factorize import Candidate, candidates, factorize, plan, resolve_full_rank
 from lowcomm.lowrank.rank import auto_slot_ranks, broadcast_ints, ranks_stable, slot_stable_ranks
 from lowcomm.methods import register
-from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
+from lowcomm.methods.base import Method, MethodContext, OptimizerOverride, options_spec
 from lowcomm.optim.decay import frobenius_decay_
 from lowcomm.optim.schedules import Rewarmup
 from lowcomm.sched.pairing import Mode
@@ -101,15 +98,6 @@ def _nested(spec: str) -> str:
     """A nested spec as the registry reads it: ``;`` was the separator of its options before
     parentheses existed (deprecated alias, read only where no parenthesis is used)."""
     return spec if "(" in spec else spec.replace(";", ",")
-
-
-def _option_text(value: object) -> str:
-    """An option value as ``--method`` reads it back (booleans lower-case; text with a comma in
-    parentheses, as nested specs are written)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    text = str(value)
-    return f"({text})" if "," in text else text
 
 
 def _make_inner(key: str, spec: str) -> Method:
@@ -194,15 +182,9 @@ class Pufferfish(Method):
 
     # --- model axis -------------------------------------------------------------------------
     def compute_reference(self) -> str:
-        """This method's own options with no communication before and after the switch: the
-        factorized model's computation, which the full model's ``nocomm`` run overstates."""
-        o = self.options
-        parts = [f"{f.name}={_option_text(getattr(o, f.name))}" for f in dataclasses.fields(o)
-                 if f.name not in ("warmup_method", "then") and getattr(o, f.name) != f.default]
-        parts.append("then=nocomm")
-        if o.warmup_epochs > 0 or o.auto_switch:
-            parts.append("warmup_method=nocomm")
-        return "pufferfish:" + ",".join(parts)
+        """Its options without communication: the factorized model's compute (nocomm overstates it)."""
+        warm = {"warmup_method": "nocomm"} if self.options.warmup_epochs > 0 or self.options.auto_switch else {}
+        return "pufferfish:" + options_spec(self.options, then="nocomm", **warm)
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """Before the switch: the dense model (stable ranks recorded for auto options);

@@ -63,6 +63,8 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     device: str = "auto"
+    #: ``real`` or ``emulated:PROFILE|NAME|scale=K`` (lowcomm.runtime.emulated: layers wait instead of computing)
+    compute: str = "real"
     bucket_cap_mb: float = 25.0
     eval: bool = True
     checkpoint_dir: str | None = None
@@ -83,6 +85,9 @@ class TrainConfig:
         # Every number is checked for what it means (nan and inf included), not only its sign:
         # a worker that starts with lr=nan trains to nan without a word.
         check_count("--nproc", self.nproc, maximum=MAX_LOCAL_WORKERS)
+        from lowcomm.runtime.compute_spec import parse_compute
+
+        parse_compute(self.compute)  # torch-free; a bad value is one line before any worker starts
         if self.gpus_per_node is not None:  # that it divides the world: train_cli / the trainer
             check_count("--gpus-per-node", self.gpus_per_node, maximum=MAX_LOCAL_WORKERS)
         check_input_options(self.data_workers, self.prefetch, self.data_cache)

@@ -42,6 +42,8 @@ def summary(t: Trainer) -> dict[str, Any]:
                       "kfac": t.cfg.kfac},  # K-FAC's settings in front of the base (None: off)
         "amp": t.cfg.amp,
         "params": sum(p.numel() for p in t.raw.parameters()),
+        # the model as trained (factorized after a Pufferfish switch): the bench's kernel bound
+        "grad_shapes": [list(p.shape) for p in t.raw.parameters() if p.requires_grad],
         "params_initial": t.params_before,
         "bytes_sent_per_worker": led.wire_bytes,
         "bytes_per_worker_per_iter": float(np.median(bytes_iter)) if bytes_iter else 0.0,
@@ -60,6 +62,8 @@ def summary(t: Trainer) -> dict[str, Any]:
         "traffic": led.as_dict(),
         "history": t.history,
     }
+    compute = getattr(t, "compute", None)  # --compute: "real" or "emulated:<what>" (+ its profile)
+    result.update(compute.summary() if compute is not None else {"compute": "real"})
     if t.task == "classification":
         result["final_test_accuracy"] = last.get("test_accuracy")
     elif t.task == "stereo":

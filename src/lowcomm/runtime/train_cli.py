@@ -15,6 +15,7 @@ import tempfile
 from typing import Any
 
 from lowcomm.errors import MAX_COUNT, UsageError, check_count
+from lowcomm.runtime.compute_spec import parse_compute
 from lowcomm.runtime.config import SCHEDULES, TrainConfig
 from lowcomm.runtime.flags import explicit_train_flags, key_value
 from lowcomm.runtime.launch import launch_workers, under_torchrun
@@ -91,6 +92,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device)
+    p.add_argument("--compute", default="real", metavar="real|emulated:PROFILE|emulated:scale=K",
+                   help="emulated: each layer's forward/backward waits a profile's time (a file from "
+                        "`lowcomm profile`, a shipped name, or this machine's own profile divided by K); "
+                        "parameters, gradients and communication stay real (docs/benchmarks.md)")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
     p.add_argument("--no-eval", action="store_true", help="skip evaluation (timing runs)")
     p.add_argument("--checkpoint-dir", default=None)
@@ -136,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tensorboard=args.tensorboard, progress=not args.no_progress,
         model_args=dict(args.model_arg), data_args=data_args,
     )
+    cfg.compute = parse_compute(args.compute).label
     cfg.validate()
     cfg.explicit_flags = explicit_train_flags(getattr(args, "_argv", None))  # a method adapts only the others
     return cfg
@@ -217,6 +223,9 @@ def run_train(args: argparse.Namespace) -> int:
         run_training(cfg)
         return 0
     check_names(cfg)
+    from lowcomm.runtime.emulated_setup import check_config
+
+    check_config(cfg)  # --compute emulated: no evaluation, no K-FAC, the profile's batch
     if cfg.gpus_per_node is not None and cfg.nproc % cfg.gpus_per_node:
         valid = ", ".join(str(g) for g in range(1, cfg.nproc + 1) if cfg.nproc % g == 0)
         raise UsageError(f"--gpus-per-node {cfg.gpus_per_node} does not divide --nproc {cfg.nproc}; valid: {valid}")
@@ -277,6 +286,8 @@ def print_summary(s: dict[str, Any]) -> None:
     table = Table(title=title, show_header=False)
     table.add_row("method", str(s["method"]))
     table.add_row("workers", str(s["world_size"]))
+    if s.get("compute", "real") != "real":
+        table.add_row("compute", f"compute emulated ({s['compute']})")
     table.add_row("steps / epochs", f"{s['steps']} / {s['epochs']}")
     table.add_row("parameters", f"{s['params']:,}")
     if s.get("final_test_accuracy") is not None:

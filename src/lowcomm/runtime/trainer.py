@@ -33,6 +33,7 @@ from lowcomm.optim.schedules import build_scheduler
 from lowcomm.runtime import checkpoint, timing
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.runtime.distributed import init_distributed
+from lowcomm.runtime.emulated_setup import EmulatedCompute
 from lowcomm.runtime.evaluation import evaluate
 from lowcomm.runtime.kfac_hook import KFACRun
 from lowcomm.runtime.measure import InterfaceCounter, LastGradClock
@@ -93,9 +94,7 @@ class Trainer:
         self.scaler: torch.amp.GradScaler | None = grad_scaler(self.amp_dtype, self.dist.device)  # fp16 only
         self.clock = LastGradClock()
         self.timer = timing.timer()
-        self.step = 0
-        self.start_epoch = 0
-        self.start_batch = 0
+        self.step = self.start_epoch = self.start_batch = 0
         self.history: list[dict[str, Any]] = []
         self.step_bytes: list[int] = []
         self.step_inter_bytes: list[int] = []  # the inter-node part (accounting's link classes)
@@ -103,6 +102,7 @@ class Trainer:
         self.iface = InterfaceCounter(os.environ.get("LOWCOMM_MEASURE_IFACE"))
         self.step_tx: list[int] = []
         self.log = RunLog(cfg.log, cfg.tensorboard, enabled=self.dist.is_main)
+        self.compute = EmulatedCompute(cfg)  # --compute emulated:...: layers wait a profile's times
 
         # seeded again right before the weights are drawn: whatever ran since the first seeding
         # (a lazy import, a dataset, a method's set-up) cannot shift them, so every run with
@@ -133,7 +133,7 @@ class Trainer:
     def _build(self, raw: nn.Module, resume_state: dict[str, Any] | None = None) -> None:
         """Prepare and wrap the model with the method, build optimizer and scheduler (again
         after a method's re-wrap, continuing the schedule), restore a checkpoint's state."""
-        raw = self.method.prepare(raw).to(self.dist.device)
+        raw = self.compute.apply(self, self.method.prepare(self.compute.restore(raw)).to(self.dist.device))
         if resume_state is not None and "model" in resume_state:
             raw.load_state_dict(resume_state["model"])
         self.raw = raw

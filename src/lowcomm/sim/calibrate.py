@@ -23,7 +23,7 @@ workers, no communication); :func:`calibrate_compute` scales every compute time 
 profile (layers, optimizer, compression kernels) by measured / predicted ``nocomm``.
 
 Contention: with real compute on CPU cores the collective library's threads share, every
-wire byte also costs the worker some compute time (:func:`measure_contention` measures it,
+wire byte also costs the worker some compute time (:func:`lowcomm.bench.contention.measure_contention` measures it,
 :func:`fit_contention` is the arithmetic); ``NetworkModel.with_contention`` charges it.
 """
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 from typing import Any, Mapping
 
 from lowcomm.comm.accounting import wire_bytes
@@ -173,7 +172,7 @@ def fit_contention(*, alone_iters: int, alone_s: float, with_iters: int, with_s:
 
 def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threads: int,
                      rounds: int) -> dict[str, float]:
-    """One rank of :func:`measure_contention` (module level: forked workers call it).
+    """One rank of :func:`lowcomm.bench.contention.measure_contention` (module level: forked workers call it).
 
     ``rounds`` alternations of a compute-alone phase and a compute-beside-all-reduces phase,
     so that a drift in the machine's load (other jobs) hits both alike.
@@ -230,31 +229,5 @@ def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threa
     return out
 
 
-def measure_contention(workers: int = 4, *, seconds: float = 3.0, payload_mb: float = 4.0,
-                       matmul_n: int = 192, threads: int = 1, rounds: int = 3) -> dict[str, Any]:
-    """Measure :attr:`NetworkModel.cpu_s_per_wire_byte` on this machine (gloo, localhost).
-
-    ``workers`` processes (``threads`` torch threads each, as bench workers) run a matmul loop
-    for ``seconds`` alone and for about as long while a thread of the same process
-    all-reduces ``payload_mb`` buffers among them, in ``rounds`` alternating phases. Returns
-    the fitted seconds per wire byte (the median over ranks: one rank that an outside job
-    slowed says little) and each rank's raw numbers. The bench's emulated links are
-    slower than loopback; the CPU per byte (copies, reduction, syscalls per chunk) is taken
-    to be the same at any rate.
-    """
-    from lowcomm.testing import run_distributed
-
-    elems = max(1, int(payload_mb * 2**20 / 4))
-    res = run_distributed(_contention_rank, workers, timeout=60 + 6 * seconds, seconds=seconds,
-                          payload_elems=elems, matmul_n=matmul_n, threads=threads, rounds=rounds)
-    per_op = wire_bytes("all_reduce", elems * 4, workers)
-    ks = [fit_contention(alone_iters=int(r["alone_iters"]), alone_s=r["alone_s"],
-                         with_iters=int(r["with_iters"]), with_s=r["with_s"],
-                         wire_bytes_moved=per_op * r["all_reduces"]) for r in res]
-    return {"workers": workers, "threads": threads, "payload_bytes": elems * 4,
-            "cpu_s_per_wire_byte": statistics.median(ks), "per_rank": res,
-            "per_rank_cpu_s_per_wire_byte": ks}
-
-
 __all__ = ["KINDS", "calibrate_compute", "fit_collectives", "fit_contention", "latency_steps",
-           "measure_contention", "network_from_probe", "probe_wire_bytes", "scale_profile"]
+           "network_from_probe", "probe_wire_bytes", "scale_profile"]

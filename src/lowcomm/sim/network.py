@@ -120,7 +120,7 @@ class NetworkModel:
     collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: compute seconds a worker loses per wire byte it moves (the collective library's threads
     #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
-    #: Measured by :func:`lowcomm.sim.calibrate.measure_contention`.
+    #: Measured by :func:`lowcomm.bench.contention.measure_contention`.
     cpu_s_per_wire_byte: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
