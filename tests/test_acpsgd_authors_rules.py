@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from lowcomm.compress.codec import Layout
-from lowcomm.compress.lowrank import ACPSGDCodec, LowRankOptions, factor_seed, seeded_normal
+from lowcomm.compress.acpsgd import ACPSGDCodec
+from lowcomm.compress.lowrank import LowRankOptions, factor_seed, seeded_normal
 from tolerance import assert_close_eps
 
 WORLD, N, M, R, STEPS = 2, 16, 40, 4, 12

@@ -25,6 +25,7 @@ from torch import nn
 import lowcomm.hooks
 from compress_testlib import HOOK_CASES, TINY_BUCKET_MB, make_model
 from lowcomm import methods
+from lowcomm.compress.base import device_paths
 from lowcomm.methods.base import MethodContext
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.testing.distributed import distributed
@@ -52,6 +53,10 @@ class HostReads:
         return spy
 
     def __enter__(self) -> HostReads:
+        # the CPU fast paths read CPU values on the host by design (free on a CPU); the paths
+        # device tensors take are what this proxy checks, so CPU tensors take them inside
+        self._paths = device_paths()
+        self._paths.__enter__()
         for name in _READS:
             original = getattr(torch.Tensor, name)
             self._saved[name] = original
@@ -61,6 +66,7 @@ class HostReads:
     def __exit__(self, *exc: Any) -> None:
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
+        self._paths.__exit__(*exc)
 
     @property
     def count(self) -> int:

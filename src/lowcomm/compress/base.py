@@ -12,12 +12,66 @@ bytes that match the analytic formula exactly); :func:`unpack_payload` inverts i
 
 from __future__ import annotations
 
+import os
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Sequence
 
 import torch
 
 PayloadSpec = list[tuple[torch.dtype, int]]
+
+_SCRATCH = threading.local()
+
+#: environment switch: ``LOWCOMM_CPU_FAST=0`` makes CPU tensors take the device (torch-only,
+#: branch-free) paths too, which is how tests without a GPU check those paths
+CPU_FAST_ENV = "LOWCOMM_CPU_FAST"
+
+
+def cpu_fast(*ts: torch.Tensor) -> bool:
+    """Whether the CPU fast paths may serve these tensors: all on the CPU (where reading a
+    0-dim flag or viewing memory through numpy costs no device sync) and not switched off
+    by ``LOWCOMM_CPU_FAST=0``. Device tensors always keep the torch paths."""
+    return all(t.device.type == "cpu" for t in ts) and os.environ.get(CPU_FAST_ENV, "1") != "0"
+
+
+@contextmanager
+def device_paths() -> Iterator[None]:
+    """Within it, CPU tensors take the device paths of every codec (torch only, branch-free, no
+    host reads) instead of their CPU fast paths (``LOWCOMM_CPU_FAST=0`` for the duration; an
+    environment variable, so processes started inside inherit it).
+
+    Why: the CPU fast paths read values on the host (numpy, a CPU finite flag), which costs
+    nothing on a CPU but is exactly what a test that counts host reads (tests/test_host_sync.py)
+    must not see; with this, such a test still checks on a CPU-only machine the paths that
+    CUDA tensors take. Not thread-safe against a concurrent step; meant for tests."""
+    saved = os.environ.get(CPU_FAST_ENV)
+    os.environ[CPU_FAST_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(CPU_FAST_ENV, None)
+        else:
+            os.environ[CPU_FAST_ENV] = saved
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU work buffer of ``numel`` elements, reused across calls (per thread and ``name``).
+
+    Why: a fresh tensor of tens of MB is fresh pages from the OS, and faulting them in costs
+    more than the arithmetic written into them (a new 45 MB tensor: ~5x a copy of it). For
+    temporaries only: the contents are overwritten by the next call with the same ``name``
+    on this thread, so nothing returned to a caller may be a scratch view."""
+    pool: dict[tuple[str, torch.dtype], torch.Tensor] | None = getattr(_SCRATCH, "pool", None)
+    if pool is None:
+        pool = _SCRATCH.pool = {}
+    buf = pool.get((name, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = pool[(name, dtype)] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 class Compressor(ABC):
@@ -45,6 +99,18 @@ class Compressor(ABC):
         for p in payloads[1:]:
             out.add_(self.decompress(p, ctx))
         return out.div_(len(payloads))
+
+    def aggregate_out(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor) -> None:
+        """:meth:`aggregate` written into ``out`` (what a gathered codec's decode calls). A
+        compressor may write there directly and save a full-size temporary and its copy."""
+        out.copy_(self.aggregate(payloads, ctx))
+
+    def residual(self, comp: torch.Tensor, payload: Sequence[torch.Tensor], ctx: Any,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``comp - decompress(payload, ctx)``: what error feedback keeps (into ``out`` when
+        given). A compressor may fuse it (sign: no ±1 float tensor in between); the result
+        must stay the same bit for bit."""
+        return torch.sub(comp, self.decompress(payload, ctx), out=out)
 
     @abstractmethod
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:

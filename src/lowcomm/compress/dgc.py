@@ -74,7 +74,11 @@ def clip_segments_(flat: torch.Tensor, sizes: Sequence[int], threshold: float) -
     if threshold <= 0 or flat.numel() == 0:
         return flat
     acc = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
-    for part in flat.split(list(sizes) if sizes else [flat.numel()]):
-        factor = (threshold / (part.norm(dtype=acc) + CLIP_EPS)).clamp_(max=1.0)
-        part.mul_(factor.to(part.dtype))
+    parts = list(flat.split(list(sizes) if sizes else [flat.numel()]))
+    # batched: every norm in one call, every factor in one vector op, every scaling in one
+    # call (the same per-tensor norms and products as a loop, bit for bit; two passes over
+    # ``flat``, the least: the factor needs the whole norm before any element is scaled)
+    norms = torch.stack(torch._foreach_norm(parts, dtype=acc))
+    factors = (threshold / (norms + CLIP_EPS)).clamp_(max=1.0).to(flat.dtype)
+    torch._foreach_mul_(parts, list(factors.unbind()))
     return flat

@@ -64,7 +64,7 @@ class PayloadCodec(Codec):
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """The mean of every worker's decoded payload."""
         spec, ctx = msg.ctx
-        out.copy_(self.compressor.aggregate(unpack(received, spec), ctx))
+        self.compressor.aggregate_out(unpack(received, spec), ctx, out)
 
     def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
              step: int | None = None) -> CodecCost:

@@ -103,9 +103,8 @@ class GTopKCodec(TopKCodec):
                pad_to: int = 1) -> Message:
         """Local top-k of ``g + e`` per tensor, then the first exchange."""
         self.prepare(layout)
-        comp = flat.clone()
-        if self.options.error_feedback:
-            comp.add_(self.memory.get(layout.names, layout.sizes, flat))
+        # g + e in one pass (not a copy, then an add): the same floats
+        comp = flat + self.memory.get(layout.names, layout.sizes, flat) if self.options.error_feedback else flat.clone()
         ks = self.ks(layout.shapes)
         idx = self.topk.select_segments(comp, layout.sizes)
         vals = poison_(comp[idx], finite)

@@ -26,6 +26,14 @@ per parameter (:func:`factor_seed` of the parameter's position in
 NaN/Inf without host syncs: the message of a non-finite input is poisoned, memory and
 factor updates are ``torch.where`` selections, a non-finite aggregate is never
 orthogonalized (:func:`~lowcomm.compress.feedback.orthogonalize_if`).
+
+CPU paths (issue 18; a CPU flag is read on the host at no cost, device tensors keep the
+branch-free forms above): products with a factor take the form that streams the matrix
+once (:func:`~lowcomm.compress.matrices.batched_mm`); residuals and momentum masking are
+written in place (one gemm each, no temporaries, no ``where`` pass); ACP-SGD's encode adds
+``g`` into the memory, forms its factor, its residual and the masked velocity block by
+block while the block is in cache (:meth:`ACPSGDCodec._encode_fused`). The results equal
+the device paths' up to float summation order.
 """
 
 from __future__ import annotations
@@ -48,18 +56,26 @@ from lowcomm.compress.matrices import (
     effective_rank,
     factor_seed,
     matrix_shape,
+    mm_factor,
     orthogonalize,
     seeded_normal,
     should_compress,
     unflatten,
 )
 from lowcomm.compress.options import Duration, check_min_rate, check_rank, check_start
+from lowcomm.compress.selection import cpu_fast
 
 __all__ = [  # the tensor math is re-exported: callers import it from here
-    "ACPSGDCodec", "Batch", "Batched", "LowRankCodec", "LowRankOptions", "Plan", "PowerSGDCodec",
-    "ACPSGDOptions", "PowerSGDOptions", "STACK_MAX_NUMEL", "batched_mm", "effective_rank", "factor_seed",
+    "Batch", "Batched", "LowRankCodec", "LowRankOptions", "Plan", "PowerSGDCodec", "PowerSGDOptions", "STACK_MAX_NUMEL", "batched_mm", "effective_rank", "factor_seed",
     "matrix_shape", "orthogonalize", "seeded_normal", "should_compress", "unflatten",
 ]
+
+
+def _cpu_true(flag: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether ``like`` is a CPU tensor and the CPU 0-dim ``flag`` holds. Reading a CPU flag
+    costs no device synchronization, so the CPU paths branch on it (in-place updates, no
+    ``torch.where`` pass); device tensors keep the branch-free forms."""
+    return cpu_fast(like, flag) and bool(flag)
 
 
 # --- options and plans -------------------------------------------------------------------------
@@ -83,20 +99,6 @@ class LowRankOptions:
         check_rank(self.rank)
         self.start_iter = check_start(self.start_iter)
         check_min_rate(self.min_compression_rate)
-
-
-@dataclass
-class ACPSGDOptions(LowRankOptions):
-    """acpsgd: as the base, with a longer default warm-up, ``start_iter="20%"`` of the run.
-
-    Why: ACP-SGD's basis is one step stale (the fixed factor comes from the previous step's
-    aggregate), and switching from dense to compressed at a high learning rate costs it an
-    accuracy dip that Power-SGD (a fresh power iteration per step) does not have. Measured
-    on MNIST-1D cnn1d (256 channels, 15 epochs, 3 seeds; docs/compression.md): 91.6 % with
-    10 %, 92.9 % with 20 % against ssgd's 94.2 %. A basis warmed on the dense mean during the
-    warm-up did not remove the dip (92.0 %)."""
-
-    start_iter: Duration = "20%"
 
 
 @dataclass
@@ -168,11 +170,12 @@ class LowRankCodec(Codec):
     def inputs(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> _Step:
         """Compensate the matrices in place in ``flat`` (``M = g + e``); copy the rest."""
         plan = self.plan(layout)
-        views = flat.split(layout.sizes)
+        sizes = layout.sizes
+        views = flat.split(sizes)
         unc = torch.cat([views[i].reshape(-1) for i in plan.uncompressed]) if plan.uncompressed else flat.new_zeros(0)
         mem: list[torch.Tensor] = []
         if self.options.error_feedback and plan.compressed:
-            csizes = [layout.sizes[i] for i in plan.compressed]
+            csizes = [sizes[i] for i in plan.compressed]
             mem = list(self.store.get([layout.names[i] for i in plan.compressed], csizes, flat).split(csizes))
             for j, i in enumerate(plan.compressed):
                 views[i].view(-1).add_(mem[j])
@@ -199,18 +202,19 @@ class LowRankCodec(Codec):
         """``out`` <- the mean: uncompressed sums / W, matrices ``left @ right^T / W`` written
         in place (the 1/W goes on the small left factor). With ``residual``, first store
         ``M - left @ right^T / W`` there (``M`` may alias ``out``, hence the order)."""
-        views = out.split(st.layout.sizes)
-        for b, a, c, ms in zip(st.plan.batches, left, right, st.mats):
+        sizes = st.layout.sizes  # (a property that recomputes: once, not per tensor)
+        views = out.split(sizes)
+        for i, (b, a, c) in enumerate(zip(st.plan.batches, left, right)):
             a = a / self.world
             for k, j in enumerate(b.members):
                 target = views[st.plan.compressed[j]].view(b.n, b.m)
                 if residual is not None:
-                    torch.addmm(ms[k], a[k], c[k].T, alpha=-1.0, out=residual[j].view(b.n, b.m))
+                    torch.addmm(st.mats[i][k], a[k], c[k].T, alpha=-1.0, out=residual[j].view(b.n, b.m))
                 torch.mm(a[k], c[k].T, out=target)
         off = 0
         for i in st.plan.uncompressed:
-            views[i].view(-1).copy_(unc_sum[off : off + st.layout.sizes[i]]).div_(self.world)
-            off += st.layout.sizes[i]
+            views[i].view(-1).copy_(unc_sum[off : off + sizes[i]]).div_(self.world)
+            off += sizes[i]
 
     def decode_uncompressed(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """A buffer without compressible matrices: the summed tensors / W."""
@@ -234,9 +238,16 @@ class LowRankCodec(Codec):
         if u is None:
             return
         views = u.split(st.layout.sizes)
+        inplace = _cpu_true(ok, u)  # ``u -= sent`` in one gemm, no temporaries
         for b, basis in zip(st.plan.batches, st.fixed):
             for k, j in enumerate(b.members):
                 um, f = views[st.plan.compressed[j]].view(b.n, b.m), basis[k]
+                if inplace:
+                    if right:
+                        um.addmm_(mm_factor(um, f), f.T, alpha=-1.0)
+                    else:
+                        um.addmm_(f, torch.mm(f.T, um), alpha=-1.0)
+                    continue
                 sent = torch.mm(torch.mm(um, f), f.T) if right else torch.mm(f, torch.mm(f.T, um))
                 keep_where_(um, ok, um - sent)
 
@@ -320,10 +331,13 @@ class PowerSGDCodec(LowRankCodec):
             return self.decode_uncompressed(msg, received, out)
         q_sum = unflatten(received[: msg.numel], st.sent)
         ok = (st.p_ok if st.p_ok is not None else st.finite) & finite_flag(received[: msg.numel])
-        residual = [torch.empty_like(v) for v in st.mem] if st.mem else None
-        self.write(out, st, st.unc_sum, st.fixed, q_sum, residual)
-        for mem, new in zip(st.mem, residual or []):
-            keep_where_(mem, ok, new)
+        if st.mem and _cpu_true(ok, out):  # the residual straight into the memory (no copy)
+            self.write(out, st, st.unc_sum, st.fixed, q_sum, st.mem)
+        else:
+            residual = [torch.empty_like(v) for v in st.mem] if st.mem else None
+            self.write(out, st, st.unc_sum, st.fixed, q_sum, residual)
+            for mem, new in zip(st.mem, residual or []):
+                keep_where_(mem, ok, new)
         if self.options.warm_start:
             self.store_factors(self.q, st, q_sum, ok)
 
@@ -331,66 +345,3 @@ class PowerSGDCodec(LowRankCodec):
              step: int | None = None) -> CodecCost:
         """``4 (U + sum n_i r_i)`` then ``4 sum m_i r_i`` bytes (U: uncompressed elements)."""
         return self.cost_of(shapes, [True, False], dtype_bytes)
-
-
-@register_codec
-class ACPSGDCodec(LowRankCodec):
-    """ACP-SGD: one message per step, P- and Q-steps alternating; local memory."""
-
-    name = "acpsgd"
-    Options = ACPSGDOptions
-    summary = "ACP-SGD: rank-r P or Q alternately, one all-reduce per step, error feedback"
-    caveat = ("lossy like Power-SGD: needs error feedback and warm-up steps; alternating P/Q converges "
-              "slightly differently, check the rank on your task.")
-
-    def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
-        """Orthogonalize the fixed factor, multiply, and the local residual (a second product)."""
-        return Work(orthogonalize=plan.factor_numel(not p), matmul_flops=2 * flops, elementwise=2 * dense)
-
-    def decode_work(self, dense: int, flops: float) -> Work:
-        """Rebuild the matrices from the summed and the fixed factor."""
-        return Work(matmul_flops=flops)
-
-    def p_step(self, step: int) -> bool:
-        """Whether ``step`` (the codec's step counter) sends P."""
-        return (step - self.start_iter) % 2 == 0
-
-    def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *, pad_to: int = 1) -> Message:
-        """P-step: ``[uncompressed, M orth(Q_last)]``; Q-step: ``[uncompressed, M^T orth(P_last)]``."""
-        st = self.inputs(flat, layout, finite)
-        if not st.plan.batches:
-            return self.message(st, [], name="unc", final=True, pad_to=pad_to)
-        p = st.p_step = self.p_step(self.step)
-        fixed_table, sent_table = (self.q, self.p) if p else (self.p, self.q)
-        st.fixed = [orthogonalize(self.factors(fixed_table, layout, st.plan, b, not p, flat)) for b in st.plan.batches]
-        st.start = [self.factors(sent_table, layout, st.plan, b, p, flat) for b in st.plan.batches]
-        sent = [batched_mm(m, f, transpose=not p) for m, f in zip(st.mats, st.fixed)]
-        self.mask_sent(st, right=p, ok=finite)
-        if st.mem:  # local error feedback: e <- M - P Q^T (local factors), if finite
-            for b, s, f, ms in zip(st.plan.batches, sent, st.fixed, st.mats):
-                left, right = (s, f) if p else (f, s)
-                for k, j in enumerate(b.members):
-                    keep_where_(st.mem[j].view(b.n, b.m), finite, torch.addmm(ms[k], left[k], right[k].T, alpha=-1.0))
-        return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
-
-    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
-        """``P_sum Q^T / W`` (or ``P Q_sum^T / W``); the summed factor kept where finite."""
-        st: _Step = msg.ctx
-        if not st.plan.batches:
-            return self.decode_uncompressed(msg, received, out)
-        unc = st.unc.numel()
-        summed = unflatten(received[unc : msg.numel], st.sent)
-        left, right = (summed, st.fixed) if st.p_step else (st.fixed, summed)
-        self.write(out, st, received[:unc], left, right)
-        self.store_factors(self.p if st.p_step else self.q, st, summed, finite_flag(received[: msg.numel]))
-
-    def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
-             step: int | None = None) -> CodecCost:
-        """``4 (U + sum n_i r_i)`` on P-steps, ``4 (U + sum m_i r_i)`` on Q-steps; ``step=None``:
-        the mean of the two (bytes rounded down)."""
-        if step is not None:
-            return self.cost_of(shapes, [self.p_step(step)], dtype_bytes)
-        p, q = self.cost_of(shapes, [True], dtype_bytes), self.cost_of(shapes, [False], dtype_bytes)
-        for rp, rq in zip(p.rounds, q.rounds):
-            rp.nbytes = (rp.nbytes + rq.nbytes) // 2
-        return p

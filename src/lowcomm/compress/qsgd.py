@@ -38,13 +38,16 @@ norm 0), ``u = torch.rand(numel)`` of the tensor in element order, round up iff
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
-from lowcomm.compress.base import Compressor
+from lowcomm.compress.base import Compressor, cpu_fast, scratch
 from lowcomm.compress.codec import Layout, Work, register_codec
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_start
@@ -68,11 +71,39 @@ def num_buckets(numel: int, bucket_size: int) -> int:
 
 
 def _buckets(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
-    """``x`` (flat) zero-padded to whole buckets, as a ``(buckets, bucket_size)`` view."""
+    """``x`` (flat) zero-padded to whole buckets, as a ``(buckets, bucket_size)`` view (of
+    ``x`` itself, no copy, when it already fills whole buckets)."""
     nb = num_buckets(x.numel(), bucket_size)
+    if nb * bucket_size == x.numel() and x.is_contiguous():
+        return x.view(nb, bucket_size)
     padded = x.new_zeros(nb * bucket_size)
     padded[: x.numel()] = x
     return padded.view(nb, bucket_size)
+
+
+_INDEX: OrderedDict[tuple[tuple[int, ...], int], torch.Tensor] = OrderedDict()
+_INDEX_LOCK = threading.Lock()
+
+
+def _bucket_index(seg: Sequence[int], bucket_size: int) -> torch.Tensor:
+    """int32 per element of a fused buffer: the number of its bucket among all the buffer's
+    buckets (each tensor's buckets start afresh). Cached for the last few layouts."""
+    key = (tuple(seg), bucket_size)
+    with _INDEX_LOCK:  # decodes may run on several communication threads
+        hit = _INDEX.get(key)
+        if hit is not None:
+            _INDEX.move_to_end(key)
+            return hit
+    parts, first = [], 0
+    for n in seg:  # once per layout, not per step
+        parts.append(np.arange(n, dtype=np.int32) // bucket_size + first)
+        first += num_buckets(n, bucket_size)
+    index = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32))
+    with _INDEX_LOCK:
+        _INDEX[key] = index
+        while len(_INDEX) > 8:
+            _INDEX.popitem(last=False)
+    return index
 
 
 class Quantizer(Compressor):
@@ -93,6 +124,8 @@ class Quantizer(Compressor):
         v = _buckets(x.reshape(-1).to(torch.float32), self.bucket_size)
         norms = torch.linalg.vector_norm(v, dim=1)
         scale = torch.where(norms > 0, s / norms, torch.zeros((), device=x.device))
+        if cpu_fast(x):
+            return self._quantize_cpu(v, n, norms, scale, seed), norms
         r = v.abs().mul_(scale[:, None]).reshape(-1)[:n]
         low = r.floor()
         g = torch.Generator(device=x.device)
@@ -101,6 +134,21 @@ class Quantizer(Compressor):
         xi = low.add_((u < r - low).to(torch.float32)).clamp_(max=s)
         levels = xi.mul_(torch.sign(v.reshape(-1)[:n])).to(torch.int8)
         return levels, norms
+
+    def _quantize_cpu(self, v: torch.Tensor, n: int, norms: torch.Tensor, scale: torch.Tensor,
+                      seed: int) -> torch.Tensor:
+        """:meth:`quantize`'s levels with the same operations in reused buffers (no fresh
+        pages per tensor and step); only the int8 levels are a new tensor."""
+        s = float(self.levels)
+        size = v.numel()
+        r = torch.abs(v, out=scratch("qsgd.r", size, torch.float32).view(v.shape)).mul_(scale[:, None]).reshape(-1)[:n]
+        low = torch.floor(r, out=scratch("qsgd.low", n, torch.float32))
+        g = torch.Generator()
+        g.manual_seed(seed)
+        u = torch.rand(n, generator=g, dtype=torch.float32, out=scratch("qsgd.u", n, torch.float32))
+        up = torch.lt(u, r.sub_(low), out=scratch("qsgd.up", n, torch.bool))
+        xi = low.add_(u.copy_(up)).clamp_(max=s)
+        return xi.mul_(torch.sign(v.reshape(-1)[:n], out=r)).to(torch.int8)
 
     def compress(
         self, tensor: torch.Tensor, segments: Sequence[int] | None = None
@@ -125,6 +173,41 @@ class Quantizer(Compressor):
             out.append((_buckets(x.to(torch.float32), self.bucket_size) * step[:, None]).reshape(-1)[: x.numel()])
             nb_off += nb
         return torch.cat(out).to(dtype) if out else torch.zeros(numel, dtype=dtype, device=levels.device)
+
+    def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        """Mean of the workers' decodes; CPU fp32: see :meth:`_mean_cpu`."""
+        if self._fast(payloads, ctx):
+            return self._mean_cpu(payloads, ctx, torch.empty(ctx[0], dtype=torch.float32))
+        return super().aggregate(payloads, ctx)
+
+    def aggregate_out(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor) -> None:
+        """:meth:`aggregate` written straight into ``out`` where it can be (CPU, fp32)."""
+        if self._fast(payloads, ctx) and out.dtype == torch.float32 and out.is_contiguous() \
+                and out.numel() == ctx[0] and cpu_fast(out):
+            self._mean_cpu(payloads, ctx, out)
+        else:
+            super().aggregate_out(payloads, ctx, out)
+
+    @staticmethod
+    def _fast(payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> bool:
+        return ctx[1] == torch.float32 and ctx[0] > 0 and cpu_fast(payloads[0][0])
+
+    def _mean_cpu(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor) -> torch.Tensor:
+        """Per worker: its levels times its bucket's step ``norm / s``, added in worker order,
+        then divided by P: the generic decode-and-add's operations bit for bit, without the
+        per-tensor padding, concatenation and fresh tensors (the step reaches every element
+        through a cached per-layout bucket index, one gather)."""
+        numel, _, seg = ctx
+        index = _bucket_index(seg, self.bucket_size)
+        step = scratch("qsgd.step", numel, torch.float32)
+        vals = scratch("qsgd.vals", numel, torch.float32)
+        for p, (levels, norms) in enumerate(payloads):
+            torch.index_select(norms / float(self.levels), 0, index, out=step)
+            if p == 0:
+                torch.mul(vals.copy_(levels), step, out=out)
+            else:
+                out.add_(vals.copy_(levels).mul_(step))
+        return out.div_(len(payloads))
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         """For one tensor: one byte per element plus 4 per bucket."""

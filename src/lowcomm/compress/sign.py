@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from lowcomm.compress.base import Compressor
+from lowcomm.compress import signbits
+from lowcomm.compress.base import Compressor, cpu_fast, scratch
 from lowcomm.compress.codec import Layout, Work, register_codec
 from lowcomm.compress.feedback import Direct, Momentum, ParamStore
 from lowcomm.compress.gathered import PayloadCodec
@@ -38,10 +39,19 @@ def _shifts(device: torch.device) -> torch.Tensor:
     return s
 
 
+def _cpu(*ts: torch.Tensor) -> bool:
+    """The fast paths (:mod:`lowcomm.compress.signbits`) serve CPU tensors only: a device
+    tensor keeps the torch forms (no host round-trip inside a hook); see :func:`cpu_fast`."""
+    return cpu_fast(*ts)
+
+
 def pack_signs(x: torch.Tensor) -> torch.Tensor:
-    """Bits ``x >= 0`` of a flat tensor, packed little-endian 8 per uint8 (ceil(n/8) bytes)."""
+    """Bits ``x >= 0`` of a flat tensor, packed little-endian 8 per uint8 (ceil(n/8) bytes).
+    NaN packs as 0 (``NaN >= 0`` is False), ``-0.0`` as 1, on both paths."""
     flat = x.reshape(-1)
     n = flat.numel()
+    if _cpu(flat) and n:
+        return signbits.pack(flat)
     bits = (flat >= 0).to(torch.uint8)
     pad = (-n) % 8
     if pad:
@@ -52,6 +62,8 @@ def pack_signs(x: torch.Tensor) -> torch.Tensor:
 
 def unpack_signs(packed: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of :func:`pack_signs`: a flat tensor of +1/-1 of length ``numel``."""
+    if _cpu(packed) and numel:
+        return signbits.signs_i8(packed)[:numel].to(dtype)
     bits = (packed.reshape(-1, 1) >> _shifts(packed.device)) & 1
     bits = bits.reshape(-1)[:numel]
     return bits.to(dtype).mul_(2).sub_(1)
@@ -65,6 +77,12 @@ def _segments(n: int, segments: Sequence[int] | None) -> list[int]:
 
 
 def _l1_scales(x: torch.Tensor, seg: list[int]) -> torch.Tensor:
+    """Mean ``|x|`` of each segment, in fp32. CPU: one ``abs`` pass into a reused buffer, then
+    one mean per segment *view*: the same sums as ``p.abs().mean()`` bit for bit (a fused
+    segment reduction adds in another order and would change the scales' last bits)."""
+    if _cpu(x) and x.numel():
+        a = torch.abs(x.reshape(-1), out=scratch("sign.abs", x.numel(), x.dtype))
+        return torch.stack([p.mean() for p in a.split(seg)]).to(torch.float32)
     return torch.stack([p.abs().mean() for p in x.split(seg)]).to(torch.float32)
 
 
@@ -92,7 +110,55 @@ class ScaledSign(Compressor):
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
         """Signs times each segment's scale."""
         numel, dtype, seg = ctx
+        if _cpu(payload[0]) and numel:
+            return self._mean_cpu([payload], ctx, None)
         return unpack_signs(payload[0], numel, dtype).mul_(_expand(payload[1], seg, dtype))
+
+    def residual(self, comp: torch.Tensor, payload: Sequence[torch.Tensor], ctx: Any,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``comp - decompress(payload)``; CPU: the decode goes to a reused buffer, the
+        subtraction into ``out`` (two passes, bit-identical to the generic form)."""
+        numel, dtype = ctx[0], ctx[1]
+        if _cpu(comp, payload[0]) and numel:
+            dec = self._mean_cpu([payload], ctx, scratch("sign.decoded", numel, dtype))
+            return torch.sub(comp.reshape(-1), dec, out=out)
+        return super().residual(comp, payload, ctx, out)
+
+    def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        """Mean of the workers' decodes. CPU: see :meth:`_mean_cpu`."""
+        if _cpu(payloads[0][0]) and ctx[0]:
+            return self._mean_cpu(payloads, ctx, None)
+        return super().aggregate(payloads, ctx)
+
+    def aggregate_out(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor) -> None:
+        """:meth:`aggregate` written straight into ``out`` where it can be (CPU)."""
+        if _cpu(payloads[0][0]) and ctx[0] and signbits.usable(out, ctx[1], ctx[0]):
+            self._mean_cpu(payloads, ctx, out)
+        else:
+            super().aggregate_out(payloads, ctx, out)
+
+    def _mean_cpu(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor | None) -> torch.Tensor:
+        """The mean of P decodes without unpacking any: per element, the signs of up to 8
+        workers form an 8-bit pattern (:func:`~lowcomm.compress.signbits.decode`) that
+        indexes a per-segment table of the 256 sums ``sum_p (+-scale_p)``, added in worker
+        order as the generic decode-and-add does: bit-identical for P <= 8 (P = 1 is the
+        decode). Beyond 8, the groups' sums are added together (another float summation
+        order: within P roundings of the generic result)."""
+        numel, dtype, seg = ctx
+        world = len(payloads)
+        result: torch.Tensor | None = None
+        for g in range(0, world, signbits.GROUP):
+            group = payloads[g : g + signbits.GROUP]
+            table = signbits.sum_table([p[1] for p in group], dtype)
+            if world <= signbits.GROUP:  # one group: the division of each sum, done on the table
+                table.div_(world)
+            packed = [p[0] for p in group]
+            if result is None:
+                result = signbits.decode(table, packed, seg, numel, out)
+            else:
+                result.add_(signbits.decode(table, packed, seg, numel, scratch("sign.part", numel, dtype)))
+        assert result is not None
+        return result.div_(world) if world > signbits.GROUP else result
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         """``ceil(numel / 8)`` sign bytes plus one fp32 scale per tensor."""
@@ -104,14 +170,34 @@ class MajoritySign(ScaledSign):
 
     def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
         """``sign(sum of signs)`` times the workers' mean scale, per segment."""
+        return self._vote(payloads, ctx, None)
+
+    def aggregate_out(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor) -> None:
+        """:meth:`aggregate` written straight into ``out`` where it can be (CPU)."""
+        if signbits.usable(out, ctx[1], ctx[0]):
+            self._vote(payloads, ctx, out)
+        else:
+            out.copy_(self._vote(payloads, ctx, None))
+
+    def _vote(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any, out: torch.Tensor | None) -> torch.Tensor:
+        """CPU: the ``+`` votes are counted without unpacking
+        (:func:`~lowcomm.compress.signbits.decode` with ``count``), then one lookup per element maps
+        (segment, count) to ``sign(2 count - P) * scale``: the generic path's product, bit
+        for bit (the +-1 sums it takes the sign of are exact integers)."""
         numel, dtype, seg = ctx
-        votes = unpack_signs(payloads[0][0], numel, dtype)
+        world = len(payloads)
         scales = payloads[0][1].clone()
         for p in payloads[1:]:
-            votes.add_(unpack_signs(p[0], numel, dtype))
             scales.add_(p[1])
-        scales.div_(len(payloads))
-        return votes.sign_().mul_(_expand(scales, seg, dtype))
+        scales.div_(world)
+        if _cpu(payloads[0][0]) and numel and world < 256:
+            table = signbits.vote_table(scales, world, dtype)
+            return signbits.decode(table, [p[0] for p in payloads], seg, numel, out, count=True)
+        votes = unpack_signs(payloads[0][0], numel, dtype)
+        for p in payloads[1:]:
+            votes.add_(unpack_signs(p[0], numel, dtype))
+        res = votes.sign_().mul_(_expand(scales, seg, dtype))
+        return res if out is None else out.copy_(res)
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Top-k sparsification: send the k largest-magnitude entries as (values, int32 indices).
 
-Selection is either exact (:func:`topk_indices`, ``torch.topk``) or fast
-(:func:`fast_topk_indices`): estimate the magnitude threshold from a random sample, keep the
-candidates above it (found with a per-block min/max pre-filter, so the tensor is read about
-once), and run ``torch.topk`` on the candidates only. When at least k candidates survive, the result is *exactly* the top-k set
-(every true top-k element is above the threshold); otherwise the threshold is lowered and
-tried again, and after a few misses it falls back to the exact method. No full sort happens.
+Selection is exact either way (:mod:`lowcomm.compress.selection`): on CPU a sampled
+threshold, one filtering pass and an exact trim find the same set as a full ``torch.topk``
+at about memory speed (ties towards the smaller index); CUDA tensors use ``torch.topk``.
+``fast_select`` only seeds the sample per step (the option predates the exact fast path).
+Error feedback runs in place on CPU (:class:`SparseFeedback`: ``e <- e + g``, select, zero
+the sent entries) and the decode scatter-adds every worker's pairs straight into the output.
 
 Selection is per tensor (``k_i = ceil(density * n_i)`` for each parameter fused in a bucket)
 so the result does not depend on DDP's bucket layout: changing ``bucket_cap_mb``, DDP's
@@ -33,10 +33,12 @@ from typing import Any
 import torch
 
 from lowcomm.compress.base import Compressor
-from lowcomm.compress.codec import CodecCost, Layout, Round, Work, register_codec
+from lowcomm.compress.codec import CodecCost, Layout, Message, Round, Work, register_codec, unpack
 from lowcomm.compress.dgc import clip_segments_, clip_threshold, density_at
+from lowcomm.compress.feedback import Direct, ErrorFeedback, ParamStore, finite_flag, keep_where_
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_density, check_start, parse_duration
+from lowcomm.compress.selection import accumulate_topk, fast_path, scatter_mean, topk_magnitude
 from lowcomm.errors import UsageError, check_fraction
 
 
@@ -46,38 +48,9 @@ def num_selected(numel: int, density: float) -> int:
 
 
 def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Exact indices of the k largest ``|x|`` (flat ``x``)."""
-    return torch.topk(x.abs(), k, sorted=False).indices
-
-
-def _candidates(flat: torch.Tensor, thr: torch.Tensor, block: int) -> torch.Tensor:
-    """Indices with ``|x| >= thr``, reading ``flat`` about once.
-
-    A per-block ``aminmax`` (one read pass, tiny output) finds the few blocks that can hold a
-    candidate; only those blocks are gathered and compared element-wise. With a threshold
-    near the top 0.1-1 %, that is a few percent of the tensor instead of several full
-    passes (``abs`` + compare + ``nonzero``).
-    """
-    n = flat.numel()
-    main = n - n % block
-    xb = flat[:main].view(-1, block)
-    hi, lo = xb.amax(dim=1), xb.amin(dim=1)  # (separately: faster than aminmax on CPU)
-    blk = torch.nonzero((hi >= thr) | (lo <= -thr)).squeeze(1)
-    inner = torch.nonzero(xb[blk].abs() >= thr)
-    cand = blk[inner[:, 0]] * block + inner[:, 1]
-    if main < n:
-        tail = torch.nonzero(flat[main:].abs() >= thr).squeeze(1) + main
-        cand = torch.cat([cand, tail])
-    return cand
-
-
-def _sample_abs(flat: torch.Tensor, size: int, generator: torch.Generator | None) -> torch.Tensor:
-    """``|x|`` at ``size`` positions: random runs of 64 contiguous elements (cache friendly;
-    runs start anywhere, so no layout stride is favoured)."""
-    run = 64
-    starts = torch.randint(0, flat.numel() - run + 1, (max(1, size // run),), generator=generator)
-    idx = (starts[:, None] + torch.arange(run)).reshape(-1)
-    return flat[idx.to(flat.device)].abs()
+    """Exact indices of the k largest ``|x|`` (flat ``x``; ties towards the smaller index on
+    the CPU path, :func:`~lowcomm.compress.selection.topk_magnitude`)."""
+    return topk_magnitude(x, k)
 
 
 def fast_topk_indices(
@@ -85,33 +58,13 @@ def fast_topk_indices(
     k: int,
     *,
     generator: torch.Generator | None = None,
-    sample_size: int = 65_536,
-    oversample: float = 1.5,
+    oversample: float = 1.3,
     max_tries: int = 3,
-    block: int = 64,
 ) -> torch.Tensor:
-    """Indices of the k largest ``|x|`` via a sampled threshold (see module docstring).
-
-    ``oversample`` aims the threshold at ``oversample * k`` survivors so that sampling noise
-    rarely leaves fewer than k. ``generator`` makes the sample reproducible (same on every
-    rank and after a resume, given the same seed). NaNs are never selected by the fast path.
-    """
-    flat = x.reshape(-1)
-    n = flat.numel()
-    if k * 4 >= n or n <= sample_size:
-        return topk_indices(flat, k)
-    sample = _sample_abs(flat, sample_size, generator)
-    sample_size = sample.numel()
-    target = oversample * k
-    for _ in range(max_tries):
-        keep = min(sample_size, max(1, math.ceil(target / n * sample_size)))
-        thr = torch.topk(sample, keep, sorted=False).values.min()
-        cand = _candidates(flat, thr, block)
-        if cand.numel() >= k:
-            sel = torch.topk(flat[cand].abs(), k, sorted=False).indices
-            return cand[sel]
-        target *= 4
-    return topk_indices(flat, k)
+    """:func:`topk_indices` with the threshold's sample seeded by ``generator`` (the same on
+    every rank and after a resume, given the same seed). The set is the same as
+    :func:`topk_indices`'s: the sample only decides how many candidates one pass keeps."""
+    return topk_magnitude(x, k, generator=generator, oversample=oversample, max_tries=max_tries)
 
 
 class TopK(Compressor):
@@ -123,17 +76,31 @@ class TopK(Compressor):
         self.generator: torch.Generator | None = None  # set per step by the hook when fast
 
     def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices of the k largest ``|x|`` (fast or exact, see the module docstring)."""
-        if self.fast_select:
-            return fast_topk_indices(x, k, generator=self.generator)
-        return topk_indices(x, k)
+        """Indices of the k largest ``|x|`` (exact; the sample seeded per step when
+        ``fast_select``, see the module docstring)."""
+        return topk_magnitude(x, k, generator=self.generator if self.fast_select else None)
 
     def select_segments(self, flat: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
-        """Per-segment top-k indices into ``flat``, concatenated in segment order."""
+        """Per-segment top-k indices into ``flat``, concatenated in segment order.
+
+        A loop over tensors (not elements): each tensor has its own k and threshold, which
+        is what makes the selection independent of the bucket layout."""
         seg = list(segments) if segments else [flat.numel()]
         out, off = [], 0
         for size in seg:
             out.append(self.select(flat[off : off + size], num_selected(size, self.density)) + off)
+            off += size
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def accumulate_select(self, mem: torch.Tensor, flat: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
+        """``mem <- mem + flat`` in place, then :meth:`select_segments` of ``mem``, fused per
+        tensor (:func:`~lowcomm.compress.selection.accumulate_topk`: one pass in cache)."""
+        seg = list(segments) if segments else [flat.numel()]
+        gen = self.generator if self.fast_select else None
+        out, off = [], 0
+        for size in seg:
+            k = num_selected(size, self.density)
+            out.append(accumulate_topk(mem[off : off + size], flat[off : off + size], k, generator=gen) + off)
             off += size
         return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -154,15 +121,63 @@ class TopK(Compressor):
     def aggregate(self, payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> torch.Tensor:
         """Scatter-add every worker's values, divide by the number of workers."""
         numel, dtype = ctx
-        vals = torch.cat([p[0] for p in payloads]).to(dtype)
-        idx = torch.cat([p[1] for p in payloads]).long()
-        out = torch.zeros(numel, dtype=dtype, device=vals.device)
-        return out.index_add_(0, idx, vals).div_(len(payloads))
+        out = torch.empty(numel, dtype=dtype, device=payloads[0][0].device)
+        return self.aggregate_into(out, payloads)
+
+    @staticmethod
+    def aggregate_into(out: torch.Tensor, payloads: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+        """:meth:`aggregate` written into ``out`` (flat, contiguous): zero it, scatter-add the
+        pairs in worker order, divide. Bit-identical to the zero-filled ``index_add_`` of the
+        concatenated pairs: the same additions in the same order (on CPU:
+        :func:`~lowcomm.compress.selection.scatter_mean`, one cache-sized chunk of ``out``
+        at a time). Dividing only the touched entries was tried: their random gather and
+        scatter cost more than one sequential pass."""
+        if fast_path(out):
+            scatter_mean(out.numpy(), [(v.to(out.dtype).numpy(), i.numpy()) for v, i in payloads])
+            return out
+        else:
+            vals = torch.cat([p[0] for p in payloads]).to(out.dtype)
+            out.zero_()
+            out.index_add_(0, torch.cat([p[1] for p in payloads]), vals)
+        return out.div_(len(payloads))
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         """For one tensor; a bucket's payload is the sum over its tensors."""
         k = num_selected(numel, self.density)
         return k * (torch.empty((), dtype=dtype).element_size() + 4)
+
+
+class SparseFeedback(ErrorFeedback):
+    """Top-k's residual memory, fused: ``e <- g + e`` minus the sent entries, no dense decode.
+
+    Same result as :class:`~lowcomm.compress.feedback.ErrorFeedback` bit for bit (``c - 0``
+    is ``c`` and ``c - c`` is ``+0``), in fewer passes: on CPU with a finite input the sum
+    is formed in the memory itself (one pass), the selection reads it there and the sent
+    entries are zeroed (k writes). Otherwise (a CUDA tensor, whose finite flag must not be
+    read on the host; or a non-finite input) ``g + e`` goes to a new tensor and the memory is
+    updated branch-free: ``e <- where(finite, g + e, e)``, then the sent entries zeroed where
+    finite (two passes instead of the generic decode, subtraction and selection)."""
+
+    def compress(self, flat: torch.Tensor, layout: Layout,
+                 finite: torch.Tensor | None = None) -> tuple[list[torch.Tensor], Any]:
+        """Payload of ``g + e``; the memory keeps what was not sent."""
+        mem = self.memory.get(layout.names, layout.sizes, flat)
+        if finite is None:
+            finite = finite_flag(flat)
+        inner: TopK = self.inner  # type: ignore[assignment]
+        if fast_path(flat) and fast_path(mem) and bool(finite):  # a CPU flag: no device sync
+            idx = inner.accumulate_select(mem, flat, layout.sizes)
+            comp = mem
+            cn, ix = comp.numpy(), idx.numpy()
+            vals = torch.from_numpy(cn[ix])
+            cn[ix] = 0
+        else:
+            comp = flat + mem
+            idx = inner.select_segments(comp, layout.sizes)
+            vals = comp[idx]
+            keep_where_(mem, finite, comp)
+            mem[idx] = torch.where(finite, torch.zeros((), dtype=mem.dtype, device=mem.device), mem[idx])
+        return [vals, idx.to(torch.int32)], (flat.numel(), flat.dtype)
 
 
 def merge_sparse(
@@ -180,6 +195,9 @@ def merge_sparse(
     summed = torch.zeros(uniq.numel(), dtype=val.dtype, device=val.device).index_add_(0, inv, val)
     if uniq.numel() <= k:
         return summed, uniq.to(torch.int32)
+    if fast_path(summed):  # the selector's tie rule is this one (smaller index), no sort
+        pick = topk_magnitude(summed, k)
+        return summed[pick], uniq[pick].to(torch.int32)
     # stable: sort by magnitude descending; equal magnitudes keep ascending-index order
     order = torch.sort(summed.abs(), descending=True, stable=True).indices[:k]
     order = torch.sort(order).values
@@ -259,6 +277,20 @@ class TopKCodec(PayloadCodec):
         """Per-tensor top-k selection (fast or exact)."""
         self.topk = TopK(self.options.density, fast_select=self.options.fast_select)
         return self.topk
+
+    def wrap(self, inner: Compressor, store: ParamStore) -> Direct:
+        """Residual memory fused with the selection (:class:`SparseFeedback`), or none."""
+        return SparseFeedback(inner, store=store) if self.options.error_feedback else Direct(inner, store=store)
+
+    def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
+        """Every worker's pairs scatter-added straight into ``out``, divided by P."""
+        spec, ctx = msg.ctx
+        payloads = unpack(received, spec)
+        numel, dtype = ctx
+        if out.dtype == dtype and out.is_contiguous() and out.numel() == numel:
+            self.topk.aggregate_into(out.view(-1), payloads)
+        else:
+            out.copy_(self.topk.aggregate(payloads, ctx))
 
     # --- DGC: density schedule, clipping, masking ---------------------------------------
     def density_at(self, step: int | None) -> float:

@@ -217,7 +217,7 @@ def resolve_profile(spec: str) -> Path:
     shipped = SHIPPED_DIR / f"{name}.json"
     if str(p.parent) in ("", ".") and shipped.is_file():
         return shipped
-    raise UsageError(f"profile {spec!r} is neither a file nor a shipped profile; shipped: "
+    raise UsageError(f"profile {spec!r} does not exist as a file and is not a shipped profile; shipped: "
                      f"{', '.join(shipped_profiles()) or '(none installed)'} "
                      "(or measure one: lowcomm profile --device cuda)")
 
