@@ -243,8 +243,8 @@ def run_bench(
         "networks": [],
         "runs": [],
         "lower_bound_note": (
-            "lower bound = max(compute-only time [nocomm], bytes/iter at the measured bandwidth) "
-            "+ compression time"
+            "lower bound = max(compute-only time of the model as trained [nocomm, or the method's own "
+            "compute reference], bytes/iter at the measured bandwidth) + the compression kernels' bound"
         ),
     }
     compute_only: float | None = None
