@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 from lowcomm.bench import netns, probe
 from lowcomm.bench.netns import NetSpec
+from lowcomm.runtime.host import cpu_name
 
 
 def machine() -> dict[str, Any]:
@@ -33,13 +34,7 @@ def machine() -> dict[str, Any]:
         info["load_avg_1m_at_start"] = os.getloadavg()[0]  # other work on the machine skews timings
     except OSError:
         pass
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        if names:
-            info["cpu"] = names[0]
-    except OSError:
-        pass
+    info["cpu"] = cpu_name()
     return info
 
 

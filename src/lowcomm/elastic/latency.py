@@ -16,7 +16,6 @@ time :meth:`LatencyTable.predict` needs them; :attr:`LatencyTable.measured_lazil
 from __future__ import annotations
 
 import json
-import platform
 import random
 import statistics
 import time
@@ -30,6 +29,7 @@ from torch import nn
 
 from lowcomm.elastic.space import Config, SearchSpace
 from lowcomm.errors import UsageError
+from lowcomm.runtime.host import cpu_name
 
 if TYPE_CHECKING:  # only duck-typed here: anything with .space, latency_units() and extract()
     from lowcomm.elastic.supernet import LatencyUnit, Supernet
@@ -48,13 +48,7 @@ def device_name(device: torch.device | str = "cpu") -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return cpu_name()
 
 
 @contextmanager

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ from torch import nn
 from lowcomm.errors import UsageError
 from lowcomm.runtime.compute_spec import ComputeSpec, parse_compute
 from lowcomm.runtime.emulated import _hookless_twin, emulate, emulation_of, restore, scaled
+from lowcomm.runtime.host import cpu_name
 from lowcomm.sim.profile import Profile
 
 if TYPE_CHECKING:
@@ -135,19 +135,9 @@ def cache_path(trainer: Trainer, model: nn.Module, example: torch.Tensor) -> Pat
            "batch_size": cfg.batch_size, "input": list(example.shape[1:]), "dtype": str(example.dtype),
            "layers": [[n, [list(p.shape) for p in ps]] for n, _, ps in parameter_layers(model)],
            "threads": torch.get_num_threads(), "amp": str(trainer.amp_dtype), "device": str(trainer.dist.device),
-           "torch": torch.__version__, "cpu": _cpu_name()}
+           "torch": torch.__version__, "cpu": cpu_name()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return cache_dir(None) / "profiles" / f"{cfg.model}-b{cfg.batch_size}-{digest}.json"
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _load_or_measure(path: Path, trainer: Trainer, model: nn.Module) -> Profile:
