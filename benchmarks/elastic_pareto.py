@@ -77,7 +77,7 @@ def choose(net: Any, table: Any, n: int, seed: int) -> list[dict[str, list[int]]
     return chosen
 
 
-LATENCY = {"threads": 1, "stat": "min", "repeats": 30}
+LATENCY = {"threads": 1, "stat": "min", "repeats": 10, "rounds": 5}
 
 
 def measure_table(net: Any, shape: tuple[int, ...], seed: int) -> Any:
@@ -85,21 +85,21 @@ def measure_table(net: Any, shape: tuple[int, ...], seed: int) -> Any:
     from lowcomm.elastic.latency import LatencyTable
 
     return LatencyTable.measure(net, net.space, shape, samples=30, seed=seed, threads=LATENCY["threads"],
-                                stat=LATENCY["stat"], repeats=LATENCY["repeats"])
+                                stat=LATENCY["stat"], repeats=LATENCY["repeats"], rounds=LATENCY["rounds"])
 
 
 def add_latency(doc: dict[str, Any], supernet: Path) -> None:
     """Time every row's architecture whole and by the table (run alone on the machine)."""
     from lowcomm.elastic.artifacts import load_supernet
-    from lowcomm.elastic.latency import device_name, measure_network
+    from lowcomm.elastic.latency import device_name
 
     net, _ = load_supernet(supernet)
     shape = tuple(doc["setup"]["latency_shape"])
     table = measure_table(net, shape, doc["setup"]["seed"])
-    for row in doc["rows"]:
+    measured = table.time_whole([row["config"] for row in doc["rows"]])  # interleaved, as the units
+    for row, ms in zip(doc["rows"], measured):
         row["predicted_ms"] = table.predict(row["config"])
-        row["measured_ms"] = measure_network(net.extract(row["config"]), shape, threads=LATENCY["threads"],
-                                             stat=LATENCY["stat"], repeats=LATENCY["repeats"])
+        row["measured_ms"] = ms
     doc["latency"] = {**LATENCY, "device": device_name("cpu"), "batch": 1}
 
 
@@ -116,27 +116,33 @@ def main() -> int:
     ap.add_argument("--latency-shape", default=None)
     ap.add_argument("--keep", required=True, help="the trained supernet file (kept for elastic_search.py)")
     ap.add_argument("--data-arg", action="append", default=[])
+    ap.add_argument("--supernet-arg", action="append", default=[],
+                    help="an extra `lowcomm elastic train` flag for the supernet only, e.g. --supernet-arg=--sandwich")
+    ap.add_argument("--variant", default=None,
+                    help="name of this recipe: results, doc block and plot get the suffix -VARIANT")
     ap.add_argument("--latency-only", action="store_true",
                     help="only (re)time the recorded rows' architectures (the machine idle), then write the docs")
     args = ap.parse_args()
     task = dict(TASKS[args.task])
     for item in args.data_arg:
         task["data_args"] = [*task["data_args"], "--data-arg", item]
-    results = REPO / "benchmarks" / "results" / f"elastic_pareto_{args.task}.json"
+    name = f"{args.task}-{args.variant}" if args.variant else args.task
+    results = REPO / "benchmarks" / "results" / f"elastic_pareto_{name}.json"
     LOGS.mkdir(exist_ok=True)
     sup_path = Path(args.keep)
     if args.latency_only:
         doc = json.loads(results.read_text())
     else:
         doc = train_rows(args, task, sup_path)
+        doc["name"] = name
     add_latency(doc, sup_path)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(json.dumps(doc, indent=2) + "\n")
     block = markdown(doc)
     print(block)
     if DOC.exists():
-        acc.write_doc(DOC, f"elastic-pareto-{args.task}", block)
-    plot(doc, REPO / "docs" / "img" / f"elastic_pareto_{args.task}.png")
+        acc.write_doc(DOC, f"elastic-pareto-{name}", block)
+    plot(doc, REPO / "docs" / "img" / f"elastic_pareto_{name}.png")
     return 0
 
 
@@ -154,6 +160,7 @@ def train_rows(args: argparse.Namespace, task: dict[str, Any], sup_path: Path) -
             extra += ["--phases", args.phases]
         if args.subnets:
             extra += ["--subnets", args.subnets]
+        extra += args.supernet_arg
         sup = train(args, task, work, "supernet", *extra)
         net, blob, bundle = load_for_search(argparse.Namespace(supernet=str(sup_path), data_dir=None))
         shape = tuple(int(s) for s in args.latency_shape.split(",")) if args.latency_shape else tuple(bundle.input_shape)
@@ -172,7 +179,7 @@ def train_rows(args: argparse.Namespace, task: dict[str, Any], sup_path: Path) -
     return {"machine": acc.machine(), "commit": acc.short_commit(acc._git_commit()),
             "task": args.task, "setup": {**task, "epochs": sup["epochs"], "phases": sup["phases"],
                                          "threads": args.threads, "nproc": args.nproc, "latency_shape": list(shape),
-                                         "seed": args.seed},
+                                         "seed": args.seed, "supernet_args": args.supernet_arg},
             "supernet_wall_s": sup.get("wall_s"), "rows": rows}
 
 
@@ -198,12 +205,13 @@ def markdown(doc: dict[str, Any]) -> str:
     lat = [r["measured_ms"] for r in rows]
     phases = ", ".join(f"{p['name']} {p['epochs']}" for p in t["phases"])
     out = ["_Generated by `benchmarks/elastic_pareto.py` from `benchmarks/results/elastic_pareto_"
-           f"{doc['task']}.json`; do not edit by hand._", "",
-           f"`{t['model']}` on `{t['data']}`: supernet trained {t['epochs']} epochs in all ({phases}); each "
+           f"{doc.get('name', doc['task'])}.json`; do not edit by hand._", "",
+           f"`{t['model']}` on `{t['data']}`: supernet trained {t['epochs']} epochs in all ({phases})"
+           + (f" with `{' '.join(t['supernet_args'])}`" if t.get("supernet_args") else "") + "; each "
            f"architecture alone from scratch for the same {t['epochs']} epochs; {t['optimizer']} lr {t['lr']}, batch "
            f"{t['batch_size']} per worker, seed {t['seed']}, {t['nproc']} worker(s). Latency: batch 1, input "
            f"{tuple(t['latency_shape'])}, {doc['latency']['threads']} thread(s), {doc['latency']['stat']} of "
-           f"{doc['latency']['repeats']} runs. Machine: {m['cpu']}, "
+           f"{doc['latency'].get('rounds', 1)} round(s) x {doc['latency']['repeats']} runs. Machine: {m['cpu']}, "
            f"{m['cpu_count']} cores, torch {m['torch']}; commit {doc['commit']}.", "",
            f"| architecture | parameters | latency measured (predicted) | extracted {metric} | from scratch {metric} | "
            f"gap (target ≤ 5 %) |", "|---|---:|---:|---:|---:|---:|"]

@@ -3,9 +3,10 @@
 On a supernet trained by ``benchmarks/elastic_pareto.py --keep FILE``:
 
 1. The latency lookup table is measured on this machine (units of the largest, the smallest
-   and ``--table-samples`` random sub-networks; an affine correction fitted on the largest and
-   smallest whole networks); then ``--unseen`` other random sub-networks are timed whole and
-   compared with the prediction (the table never saw them whole).
+   and ``--table-samples`` random sub-networks, ``--rounds`` interleaved rounds of ``--repeats``
+   runs each; a ``--fit`` correction from the largest, the smallest and ``--calibrate`` random
+   networks timed whole); then ``--unseen`` other random sub-networks are timed whole (the same
+   rounds, interleaved) and compared with the prediction (the table never saw them whole).
 2. Three budgets at 25 / 50 / 75 % of the way between the smallest and the largest network's
    predicted latency: ``lowcomm elastic search`` (evolution with OFA's accuracy predictor, or
    ``--score direct``) against the best of ``--random`` random sub-networks under the same
@@ -53,6 +54,10 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=50)
     ap.add_argument("--valid-size", type=int, default=1000)
     ap.add_argument("--latency-shape", default=None)
+    ap.add_argument("--repeats", type=int, default=10, help="timed runs per unit or network per round")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (min over all of them)")
+    ap.add_argument("--fit", choices=("none", "offset", "scale", "affine"), default="scale")
+    ap.add_argument("--calibrate", type=int, default=3, help="random networks timed whole for the fit (plus the extremes)")
     args = ap.parse_args()
 
     import torch
@@ -66,18 +71,22 @@ def main() -> int:
     space = net.space
     with tempfile.TemporaryDirectory() as tmp:
         table_path = Path(tmp) / "latency.json"
-        table = LatencyTable.measure(net, space, shape, samples=args.table_samples, seed=args.seed,
-                                     threads=args.threads, calibrate=[space.max_config(), space.min_config()],
-                                     fit="affine")
-        table.save(table_path)
         rng = random.Random(args.seed + 100)
-        unseen = []
-        known = {json.dumps(space.canonical(c), sort_keys=True) for c in (space.max_config(), space.min_config())}
-        while len(unseen) < args.unseen:
+        calibration = [space.max_config(), space.min_config()]
+        unseen: list[dict[str, Any]] = []
+        known = {json.dumps(space.canonical(c), sort_keys=True) for c in calibration}
+        while len(unseen) < args.unseen + args.calibrate:
             c = space.canonical(space.sample(rng))
             if json.dumps(c, sort_keys=True) not in known:
                 known.add(json.dumps(c, sort_keys=True))
                 unseen.append(c)
+        calibration += unseen[args.unseen:]
+        unseen = unseen[:args.unseen]
+        table = LatencyTable.measure(net, space, shape, samples=args.table_samples, seed=args.seed,
+                                     threads=args.threads, stat="min", repeats=args.repeats, rounds=args.rounds,
+                                     calibrate=calibration if args.fit != "none" else (),
+                                     fit=args.fit if args.fit != "none" else "offset")
+        table.save(table_path)
         checks = validate(table, net, unseen, shape)
         lo, hi = table.predict(space.min_config()), table.predict(space.max_config())
         budgets = [round(lo + (hi - lo) * f, 3) for f in (0.25, 0.5, 0.75)]
@@ -96,7 +105,8 @@ def main() -> int:
     doc = {"machine": acc.machine(), "commit": acc.short_commit(acc._git_commit()), "device": device_name("cpu"),
            "task": args.task, "supernet": blob["model"], "threads": args.threads, "latency_shape": list(shape),
            "table": {"units": len(table.units), "scale": table.scale, "overhead_ms": table.overhead_ms,
-                     "samples": args.table_samples},
+                     "samples": args.table_samples, "fit": args.fit, "calibration_networks": len(table.calibration),
+                     "repeats": args.repeats, "rounds": args.rounds, "stat": "min"},
            "latency_checks": checks, "search": search}
     results = REPO / "benchmarks" / "results" / f"elastic_search_{args.task}.json"
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +117,21 @@ def main() -> int:
         acc.write_doc(DOC, f"elastic-search-{args.task}", block)
     plot(doc, REPO / "docs" / "img" / f"elastic_search_{args.task}.png")
     return 0
+
+
+def _timing(table: dict[str, Any]) -> str:
+    if "rounds" not in table:  # recorded before interleaved rounds existed
+        return "median of 20 runs"
+    return f"{table['stat']} of {table['rounds']} interleaved rounds x {table['repeats']} runs (networks timed the same way)"
+
+
+def _fit(table: dict[str, Any]) -> str:
+    fit = table.get("fit", "affine")
+    if fit == "none":
+        return "no correction (the prediction is the sum of unit times)"
+    n = table.get("calibration_networks", 2)
+    return (f"{fit} correction (scale {table['scale']:.3f}, offset {table['overhead_ms']:.3f} ms) fitted on {n} "
+            "networks timed whole (the largest, the smallest and random ones, none of them among the checked)")
 
 
 def _metric(test: dict[str, float]) -> tuple[str, float, bool]:
@@ -123,8 +148,7 @@ def markdown(doc: dict[str, Any]) -> str:
            f"{doc['task']}.json`; do not edit by hand._", "",
            f"`{doc['supernet']}`; latency at batch 1, input {tuple(doc['latency_shape'])}, {doc['threads']} threads "
            f"on {m['cpu']} ({m['cpu_count']} cores), torch {m['torch']}; commit {doc['commit']}. Lookup table: "
-           f"{doc['table']['units']} unit timings, affine correction scale {doc['table']['scale']:.3f}, offset "
-           f"{doc['table']['overhead_ms']:.3f} ms fitted on the largest and smallest networks.", "",
+           f"{doc['table']['units']} unit timings, {_timing(doc['table'])}; {_fit(doc['table'])}.", "",
            f"**Latency predictor** on {len(checks)} random sub-networks it never timed whole: {within} of {len(checks)} "
            f"within 10 % (target: all), median error {100 * sorted(errs)[len(errs) // 2]:.1f} %, worst "
            f"{100 * max(errs):.1f} %.", "",

@@ -23,32 +23,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lowcomm.errors import UsageError
 
 
 def repredict(bench: dict[str, Any], prof: Any, k: float) -> list[dict[str, Any]]:
-    """Every real-compute ok row of ``bench`` predicted with contention ``k`` (s per wire byte)."""
-    from lowcomm.bench.prediction import network_model
-    from lowcomm.sim import predict_iteration_time
-    from lowcomm.sim.calibrate import calibrate_compute
+    """Every real-compute ok row of ``bench`` predicted with contention ``k`` (s per wire byte),
+    by the bench's own rule (:func:`lowcomm.bench.prediction.add_predictions`) on copies."""
+    from lowcomm.bench.prediction import add_predictions
 
     out = []
-    world = bench["world_size"]
     for info in bench.get("networks") or [bench["network"]]:
-        runs = [r for r in bench["runs"] if r.get("net") == info["requested"] and r.get("status") == "ok"]
-        nocomm = next((r for r in runs if r["method"] == "nocomm"), None)
-        if nocomm is None:
+        runs = [copy.deepcopy(r) for r in bench["runs"] if r.get("net") == info["requested"] and r.get("status") == "ok"]
+        if not any(r["method"] == "nocomm" for r in runs):
             continue
-        ref = nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]]
-        net = network_model(info, world)
-        scaled, _ = calibrate_compute(prof, sum(ref) / len(ref), workers=world, network=net)
+        add_predictions(runs, prof, info, workers=bench["world_size"], contention_s_per_byte=k)
         for r in runs:
-            emulated = str(r.get("compute", "real")).startswith("emulated")
-            used = net if emulated else net.with_contention(k)
-            try:
-                pred = predict_iteration_time(scaled, r.get("spec_run") or r["method"], workers=world,
-                                              network=used).iter_time_s
-            except UsageError:
+            pred = r.get("predicted_iter_time_s")
+            if pred is None:
                 continue
             meas = r["iter_time_s_median"]
             out.append({"net": r["net"], "method": r["method"], "measured_s": meas,

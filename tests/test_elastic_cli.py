@@ -70,6 +70,7 @@ def test_extract_writes_a_plain_subnetwork_that_reloads(supernet: Path, tmp_path
 @pytest.mark.parametrize("args, message", [
     (["search", "--latency-ms", "fast"], "milliseconds"),
     (["search", "--latency-ms", "-1"], "positive"),
+    (["search", "--latency-ms", "5", "--latency-rounds", "0"], "--latency-rounds"),
     (["extract", "--out", "x.pt"], "exactly one of --config"),
     (["extract", "--config", "{\"kernel\": [4]}", "--out", "x.pt"], "kernel"),
 ])
@@ -79,6 +80,13 @@ def test_misuse_is_one_line_and_exit_2(supernet: Path, tmp_path: Path, args: lis
     assert main(["elastic", *args, "--supernet", str(supernet), *QUICK]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_sandwich_with_scratch_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["elastic", "train", "--model", "elastic_cnn1d", "--data", "mnist1d", "--scratch", "min",
+                 "--sandwich", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--sandwich" in err and len(err.splitlines()) == 1
 
 
 def test_a_file_that_is_not_a_supernet_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -225,3 +225,60 @@ def test_real_timer_smoke_on_elastic_cnn1d(tmp_path) -> None:
     again = LatencyTable.load(tmp_path / "t.json", sample_shape=(40,), supernet=net)
     assert again.predict(config) == table.predict(config)
     assert measure_network(net.extract(config), (40,), 1, warmup=0) > 0
+
+
+class SpellTimer(FakeTimer):
+    """A FakeTimer whose every call in ``slow_calls`` (by call index) takes 3x: a slow spell."""
+
+    def __init__(self, slow_calls: set[int]) -> None:
+        super().__init__()
+        self.slow_calls, self.calls = slow_calls, 0
+
+    def __call__(self, module: nn.Module, input_shapes: Sequence[tuple[int, ...]]) -> float:
+        ms = super().__call__(module, input_shapes)
+        self.calls += 1
+        return 3 * ms if self.calls - 1 in self.slow_calls else ms
+
+
+def test_rounds_time_every_key_round_robin_and_reject_a_slow_spell(tmp_path) -> None:
+    net = FakeSupernet()
+    configs = [{"kernel": [3, 5, 7], "depth": [3]}]
+    timer = SpellTimer(slow_calls={0, 1, 2, 3, 4})  # the whole first round is slow
+    table = LatencyTable.measure(net, configs, SHAPE, timer=timer, rounds=3, stat="min")
+    # round-robin: each round visits every distinct key once, in the same order
+    assert timer.timed[:5] == timer.timed[5:10] == timer.timed[10:15] and len(timer.timed) == 15
+    assert set(timer.timed) == {"stem[1, 16]", "block0-k3", "block1-k5", "block1-k7", "head"}
+    assert table.predict(configs[0]) == pytest.approx(expected_sum(configs[0]))
+    table.save(tmp_path / "t.json")
+    assert LatencyTable.load(tmp_path / "t.json").rounds == 3
+    with pytest.raises(UsageError, match="rounds must be >= 1"):
+        LatencyTable.measure(net, configs, SHAPE, timer=FakeTimer(), rounds=0)
+
+
+def test_validation_times_networks_in_the_same_interleaved_rounds() -> None:
+    net = FakeSupernet()
+    space = net.space
+    configs = [space.max_config(), space.min_config()]
+    timer = SpellTimer(slow_calls=set())
+    table = LatencyTable.measure(net, configs, SHAPE, timer=timer, rounds=2, stat="min")
+    timer.timed.clear()
+    timer.slow_calls = {timer.calls}  # the first whole-network timing is slow
+    rows = validate(table, net, configs)
+    assert timer.timed == ["net", "net", "net", "net"]
+    assert all(abs(r["rel_error"]) < 1e-9 for r in rows)
+
+
+def test_scale_fit_goes_through_the_origin() -> None:
+    net, timer = FakeSupernet(), FakeTimer()
+    space = net.space
+    table = LatencyTable.measure(net, space, SHAPE, samples=0, timer=timer)
+
+    def slower(module: nn.Module, shapes: Sequence[tuple[int, ...]]) -> float:
+        base = timer(module, shapes)
+        return 1.5 * base if isinstance(module, Net) else base
+
+    table.timer = slower
+    table.calibrate([space.max_config(), space.min_config(), space.sample(random.Random(1))], fit="scale")
+    assert table.scale == pytest.approx(1.5) and table.overhead_ms == 0.0
+    with pytest.raises(UsageError, match="fit must be one of offset, scale, affine"):
+        table.calibrate([space.max_config()], fit="ratio")

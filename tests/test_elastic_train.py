@@ -59,6 +59,21 @@ def test_every_rank_draws_the_same_subnetworks_and_each_step_new_ones() -> None:
     assert step_configs(net, Phase("full", 1, (), 1), 0, 3) == [net.space.max_config()]
 
 
+def test_sandwich_adds_the_phase_smallest_subnetwork_to_every_step() -> None:
+    net = _net()
+    space = net.space
+    kernel = Phase("kernel", 1, ("kernel",), 1)
+    plain = step_configs(net, kernel, seed=0, step=5)
+    with_min = step_configs(net, kernel, seed=0, step=5, sandwich=True)
+    assert with_min[1:] == plain  # the random draws are unchanged
+    smallest = with_min[0]
+    assert smallest["kernel"] == space.min_config()["kernel"]
+    assert all(smallest[d] == space.max_config()[d] for d in space.names if d != "kernel")  # not yet elastic
+    every = Phase("expand", 1, tuple(space.names), 2)
+    assert step_configs(net, every, seed=1, step=0, sandwich=True)[0] == space.min_config()
+    assert step_configs(net, Phase("full", 1, (), 1), 0, 3, sandwich=True) == [space.max_config()]
+
+
 def test_one_forward_trains_several_subnetworks_and_every_parameter_gets_a_gradient() -> None:
     torch.manual_seed(0)
     net = _net()

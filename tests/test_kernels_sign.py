@@ -8,6 +8,7 @@ with lengths that are not a multiple of 8, zeros, negative zeros, NaN and infini
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -113,37 +114,35 @@ def test_scaled_sign_decode_and_residual_match_the_reference(seg: list[int], dty
     assert same(comp.residual(x, payload, ctx), x - ref_decompress(payload, n, dtype, seg))
 
 
+def worker_payloads(comp: Any, seg: list[int], world: int, seed: int, dtype: torch.dtype = torch.float32) -> list[Any]:
+    """The payloads ``world`` workers send: each compresses its own gradient (seed + rank)."""
+    return [comp.compress(tricky(sum(seg), seed + w, dtype), seg)[0] for w in range(world)]
+
+
 @pytest.mark.parametrize("world", [1, 2, 4, 7, 8])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_scaled_sign_mean_of_up_to_8_workers_is_bit_identical(world: int, dtype: torch.dtype) -> None:
-    seg = SEGS[1]
-    n = sum(seg)
-    comp = ScaledSign()
-    payloads = [comp.compress(tricky(n, 10 + w, dtype), seg)[0] for w in range(world)]
-    ctx = (n, dtype, seg)
-    assert same(comp.aggregate(payloads, ctx), ref_mean(payloads, n, dtype, seg))
+    seg, comp = SEGS[1], ScaledSign()
+    payloads = worker_payloads(comp, seg, world, 10, dtype)
+    assert same(comp.aggregate(payloads, (sum(seg), dtype, seg)), ref_mean(payloads, sum(seg), dtype, seg))
 
 
 @pytest.mark.parametrize("world", [9, 16])
 def test_scaled_sign_mean_of_more_workers_differs_by_summation_order_only(world: int) -> None:
-    seg = SEGS[2]
-    n = sum(seg)
-    comp = ScaledSign()
-    payloads = [comp.compress(tricky(n, 20 + w), seg)[0] for w in range(world)]
-    got = comp.aggregate(payloads, (n, torch.float32, seg))
+    seg, comp = SEGS[2], ScaledSign()
+    payloads = worker_payloads(comp, seg, world, 20)
+    got = comp.aggregate(payloads, (sum(seg), torch.float32, seg))
     # P terms added in another order: at most P - 1 roundings along the longest chain
-    assert_close_eps(got, ref_mean(payloads, n, torch.float32, seg), ops=world - 1, msg=f"P={world}")
+    assert_close_eps(got, ref_mean(payloads, sum(seg), torch.float32, seg), ops=world - 1, msg=f"P={world}")
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 16, 17])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_majority_vote_matches_the_reference_bit_for_bit(world: int, dtype: torch.dtype) -> None:
-    seg = SEGS[1]
-    n = sum(seg)
-    comp = MajoritySign()
-    payloads = [comp.compress(tricky(n, 30 + w, dtype), seg)[0] for w in range(world)]
+    seg, comp = SEGS[1], MajoritySign()
+    payloads = worker_payloads(comp, seg, world, 30, dtype)
     payloads[0][1][1] = float("nan")  # a non-finite scale poisons its segment as before
-    assert same(comp.aggregate(payloads, (n, dtype, seg)), ref_majority(payloads, n, dtype, seg))
+    assert same(comp.aggregate(payloads, (sum(seg), dtype, seg)), ref_majority(payloads, sum(seg), dtype, seg))
 
 
 # --- the state: error feedback and momentum -------------------------------------------------

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowcomm.bench import bounds, collprobe, netns, prediction, trained
+from lowcomm.bench.compute_profile import bench_profile, compute_label, gloo_contention
 from lowcomm.bench.environment import machine, network
 from lowcomm.bench.runner import BenchConfig, Launcher, run_method
 from lowcomm.errors import UsageError
@@ -101,86 +102,6 @@ def check_capacity(nproc: int, model: str, *, cpus: int | None = None, available
 
 
 # --- the whole benchmark ------------------------------------------------------------------
-
-
-def compute_label(cfg: BenchConfig) -> str:
-    """The workers' ``--compute`` (``real`` or ``emulated:<what>``), as every row records it."""
-    given = getattr(cfg, "compute", None)
-    if given:
-        return str(given)
-    args = cfg.extra_train_args
-    labels = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--compute"]
-    labels += [a.split("=", 1)[1] for a in args if a.startswith("--compute=")]
-    return labels[-1] if labels else "real"
-
-
-def _profile(cfg: BenchConfig) -> Any:
-    """The simulator's profile of the bench's model, measured here with the workers' settings.
-
-    With emulated compute the layer times are the emulation's (the profile file, or this
-    measurement divided by K); the optimizer step and the compression costs stay this
-    machine's, because they run for real."""
-    if "--model-arg" in cfg.extra_train_args:
-        raise UsageError("predictions do not support --model-arg yet (the profile would be of the default model)")
-    from lowcomm.runtime.compute_spec import parse_compute
-
-    spec = parse_compute(compute_label(cfg))
-    if spec.kind in ("file", "name"):  # the layers' times are the file's: measure only what runs here
-        return _emulated_file_profile(cfg, str(spec.path), spec.text)
-    measured = prediction.measure(model=cfg.model, batch_size=cfg.batch_size, input_shape=cfg.input_shape,
-                                  threads=cfg.threads)
-    if not spec.emulated:
-        return measured
-    from lowcomm.runtime.emulated import scaled
-
-    assert spec.scale is not None
-    profile = scaled(measured, spec.scale)
-    profile.notes = (profile.notes + "; " if profile.notes else "") + (
-        f"compute emulated ({spec.text}): layer times emulated, optimizer and compression costs measured here")
-    return profile
-
-
-def _emulated_file_profile(cfg: BenchConfig, path: str, text: str) -> Any:
-    """A profile file's layer times with this machine's optimizer step and compression costs
-    (measured with the workers' threads: they run for real under emulated compute)."""
-    import statistics
-    import time
-
-    import torch
-
-    from lowcomm import models
-    from lowcomm.sim.profile import Profile
-    from lowcomm.sim.profiler import measure_compressors, measure_costs
-
-    profile = Profile.load(path)
-    before = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads or before)
-    try:
-        shape = tuple(int(v) for v in cfg.input_shape.split(",")) if cfg.input_shape else None
-        kwargs = models.kwargs_for_data(cfg.model, input_shape=shape) if shape else {}
-        params = [p for p in models.create(cfg.model, **kwargs).parameters() if p.requires_grad]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = torch.optim.SGD(params, lr=1e-6, momentum=0.9)  # as lowcomm.sim.profiler times it
-        times = []
-        for _ in range(4):
-            start = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - start)
-        profile.optimizer_s = statistics.median(times[1:])
-        profile.costs, profile.compressors = measure_costs("cpu"), measure_compressors("cpu")
-    finally:
-        torch.set_num_threads(before)
-    profile.notes = (profile.notes + "; " if profile.notes else "") + (
-        f"compute emulated ({text}): layer times from the file, optimizer and compression costs measured here")
-    return profile
-
-
-def _contention(cfg: BenchConfig) -> float:
-    """Seconds of compute gloo's threads take per wire byte with the bench's workers and threads."""
-    from lowcomm.bench.contention import measure_contention
-
-    return float(measure_contention(cfg.nproc, threads=cfg.threads or 1)["cpu_s_per_wire_byte"])
 
 
 def _reference_of(spec: str) -> str:
@@ -259,7 +180,7 @@ def run_bench(
     if predict:
         say("lowcomm bench: profiling the model for the simulator's predictions ...")
         try:
-            profile = (profiler or _profile)(cfg)
+            profile = (profiler or bench_profile)(cfg)
             result["prediction"] = {"profile": {"model": profile.model, "batch_size": profile.batch_size,
                                                 "forward_s": profile.forward_s, "backward_s": profile.backward_s,
                                                 "optimizer_s": profile.optimizer_s,
@@ -275,7 +196,7 @@ def run_bench(
     if profile is not None and result["compute"] == "real":
         say("lowcomm bench: measuring the CPU gloo's threads take from compute (for the predictions) ...")
         try:
-            contention = (contention_probe or _contention)(cfg)
+            contention = (contention_probe or gloo_contention)(cfg)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # noqa: BLE001 - predictions are an extra

@@ -88,6 +88,7 @@ def elastic_config_from_args(args: argparse.Namespace) -> Any:
 
         check_writable("--out", args.out, is_dir=False)
     ecfg = ElasticConfig(train=cfg, phases=[p.to_json() for p in phases], distill=args.distill,
+                         sandwich=args.sandwich,
                          bn_batches=args.bn_batches, out=args.out, init=args.init, scratch=scratch)
     ecfg.validate()
     return ecfg
@@ -174,6 +175,8 @@ def add_elastic_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--phase-lr", default=None, help="learning rate by phase, e.g. kernel=0.01 (default: --lr)")
     g.add_argument("--distill", type=float, default=0.0,
                    help="weight of the distillation loss against the full network (OFA's kd_ratio; 0: off)")
+    g.add_argument("--sandwich", action="store_true",
+                   help="also train each phase's smallest sub-network at every step (BigNAS's sandwich rule)")
     g.add_argument("--bn-batches", type=int, default=10, help="batches for BN re-calibration before evaluations")
     g.add_argument("--out", default=None, help="write the trained supernet (or --scratch sub-network) here")
     g.add_argument("--init", default=None, help="start from this supernet file's weights")

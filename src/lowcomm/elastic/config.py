@@ -22,6 +22,7 @@ class ElasticConfig:
     train: TrainConfig
     phases: list[dict[str, Any]] = field(default_factory=list)  # Phase.to_json() each
     distill: float = 0.0  # OFA's kd_ratio: weight of the loss against the full network (0: off)
+    sandwich: bool = False  # also train each phase's smallest sub-network at every step (BigNAS)
     bn_batches: int = 10  # training batches for BN re-calibration before each evaluation
     out: str | None = None  # the trained supernet (or the from-scratch subnet) file
     init: str | None = None  # start from this supernet file's weights
@@ -33,6 +34,8 @@ class ElasticConfig:
         check_positive("--distill", self.distill, allow_zero=True)
         if self.scratch is not None and self.distill:
             raise UsageError("--distill needs the supernet's full network; --scratch trains a sub-network alone")
+        if self.scratch is not None and self.sandwich:
+            raise UsageError("--sandwich samples sub-networks of a supernet; --scratch trains one sub-network alone")
         if self.train.resume and not self.train.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir")
 

@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import json
 import random
-import statistics
-import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
+from lowcomm.elastic.latency_timer import (
+    Timer,
+    WallTimer,
+    device_name,
+    measure_network,
+    time_interleaved,
+)
 from lowcomm.elastic.space import Config, SearchSpace
 from lowcomm.errors import UsageError
-from lowcomm.runtime.host import cpu_name
 
 if TYPE_CHECKING:  # only duck-typed here: anything with .space, latency_units() and extract()
     from lowcomm.elastic.supernet import LatencyUnit, Supernet
@@ -37,96 +39,8 @@ if TYPE_CHECKING:  # only duck-typed here: anything with .space, latency_units()
 __all__ = ["LatencyTable", "Timer", "WallTimer", "measure_network", "validate", "device_name"]
 
 FORMAT = "lowcomm.elastic.latency/1"
-
-#: ``timer(module, input_shapes) -> milliseconds``: how one module is timed. Injectable so that
-#: tests check the table's bookkeeping without depending on this machine's speed.
-Timer = Callable[[nn.Module, Sequence[tuple[int, ...]]], float]
-
-
-def device_name(device: torch.device | str = "cpu") -> str:
-    """A human name for the device the table was measured on (GPU model or CPU model)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return cpu_name()
-
-
-@contextmanager
-def _threads(threads: int | None) -> Iterator[None]:
-    if threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
-
-
-class WallTimer:
-    """The real timer: median wall time of ``repeats`` batch-1 forwards after ``warmup`` ones.
-
-    The median, not the mean, because a shared machine's outliers (another process taking the
-    core) only ever add time. ``stat="min"`` goes further (timeit's advice): the fastest run
-    estimates the uncontended cost, consistently for pieces and whole networks, when other
-    processes load the machine. Eval mode and ``no_grad``: latency is an inference property.
-    """
-
-    def __init__(
-        self,
-        repeats: int = 20,
-        warmup: int = 5,
-        threads: int | None = None,
-        device: str = "cpu",
-        stat: str = "median",
-    ) -> None:
-        if repeats < 1 or warmup < 0:
-            raise UsageError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
-        if threads is not None and threads < 1:
-            raise UsageError(f"threads must be >= 1 (or None for torch's setting), got {threads}")
-        if stat not in STATS:
-            raise UsageError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
-        self.repeats, self.warmup, self.threads, self.stat = repeats, warmup, threads, stat
-        self.device = torch.device(device)
-
-    def __call__(self, module: nn.Module, input_shapes: Sequence[tuple[int, ...]]) -> float:
-        """Time ``module`` on random inputs of ``input_shapes``; milliseconds."""
-        was_training = module.training
-        module = module.to(self.device).eval()
-        inputs = [torch.randn(shape, device=self.device) for shape in input_shapes]
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-        times = []
-        try:
-            with _threads(self.threads), torch.no_grad():
-                for i in range(self.warmup + self.repeats):
-                    sync()
-                    start = time.perf_counter()
-                    module(*inputs)
-                    sync()
-                    if i >= self.warmup:
-                        times.append(time.perf_counter() - start)
-        finally:
-            module.train(was_training)
-        return 1000.0 * STATS[self.stat](times)
-
-
-def measure_network(
-    module: nn.Module,
-    sample_shape: Sequence[int],
-    repeats: int = 20,
-    *,
-    warmup: int = 5,
-    threads: int | None = None,
-    timer: Timer | None = None,
-    stat: str = "median",
-) -> float:
-    """Time a whole (extracted) network on one batch-1 input of ``sample_shape``; ms."""
-    timer = timer or WallTimer(repeats, warmup, threads, stat=stat)
-    return timer(module, [(1, *sample_shape)])
+#: How :meth:`LatencyTable.calibrate` may correct the sum of unit times.
+FITS = ("offset", "scale", "affine")
 
 
 def _configs_from(
@@ -162,6 +76,7 @@ class LatencyTable:
         timer: Timer | None = None,
         supernet: Supernet | None = None,
         stat: str = "median",
+        rounds: int = 1,
     ) -> None:
         self.sample_shape = tuple(int(s) for s in sample_shape)
         self.units: dict[str, float] = dict(units or {})
@@ -170,6 +85,9 @@ class LatencyTable:
         self.torch_version = torch.__version__
         self.threads = threads if threads is not None else torch.get_num_threads()
         self.repeats, self.warmup, self.stat = repeats, warmup, stat
+        if rounds < 1:
+            raise UsageError(f"rounds must be >= 1, got {rounds}")
+        self.rounds = rounds
         self.timer: Timer = timer or WallTimer(repeats, warmup, threads, device, stat)
         self.overhead_ms = 0.0
         self.scale = 1.0
@@ -201,6 +119,7 @@ class LatencyTable:
         calibrate: Sequence[Config] = (),
         fit: str = "offset",
         stat: str = "median",
+        rounds: int = 1,
     ) -> LatencyTable:
         """Time every distinct unit key of ``configs`` once.
 
@@ -208,22 +127,34 @@ class LatencyTable:
         from which the max, the min and ``samples`` random configs (``seed``) are taken: all
         distinct keys of a space can be very many, and unseen ones are timed lazily later.
         ``calibrate``: configs to time whole and fit the overhead on (see :meth:`calibrate`).
-        ``stat``: ``"median"`` or ``"min"`` of the repeats (see :class:`WallTimer`).
+        ``stat``: ``"median"`` or ``"min"`` of the repeats (see :class:`WallTimer`), and of the
+        ``rounds``: every key is timed once per round, round-robin (see
+        :func:`~lowcomm.elastic.latency_timer.time_interleaved`).
         """
         table = cls(
             sample_shape, device=device, repeats=repeats, warmup=warmup, threads=threads,
-            timer=timer, supernet=supernet, stat=stat,
+            timer=timer, supernet=supernet, stat=stat, rounds=rounds,
         )
+        distinct: dict[str, LatencyUnit] = {}
         for config in _configs_from(supernet, configs, samples, seed):
             for unit in supernet.latency_units(config, table.sample_shape):
-                if unit.key not in table.units:
-                    table.units[unit.key] = table._time_unit(unit)
+                distinct.setdefault(unit.key, unit)
+        items = [(unit.build(), unit.inputs) for unit in distinct.values()]
+        table.units.update(zip(distinct, time_interleaved(table.timer, items, rounds, stat)))
         if calibrate:
             table.calibrate(calibrate, fit=fit)
         return table
 
     def _time_unit(self, unit: LatencyUnit) -> float:
-        return float(self.timer(unit.build(), unit.inputs))
+        return time_interleaved(self.timer, [(unit.build(), unit.inputs)], self.rounds, self.stat)[0]
+
+    def time_whole(self, configs: Sequence[Config]) -> list[float]:
+        """Each config's extracted network timed whole, as the units were (interleaved rounds)."""
+        if self.supernet is None:
+            raise UsageError("timing whole networks needs the supernet: pass it to load() or attach()")
+        shapes = [(1, *self.sample_shape)]
+        items = [(self.supernet.extract(c), shapes) for c in configs]
+        return time_interleaved(self.timer, items, self.rounds, self.stat)
 
     def attach(self, supernet: Supernet) -> None:
         """Use ``supernet`` to split configs into units; refuses one of another search space."""
@@ -259,20 +190,22 @@ class LatencyTable:
         """Time ``configs``' extracted networks whole and fit ``measured ~ scale*sum + overhead``.
 
         ``fit="offset"`` fits the overhead only (scale 1; least squares of a constant = the mean
-        gap), robust with 1-3 networks; ``"affine"`` fits both by least squares (needs >= 2
-        networks of different sizes). Returns the calibration rows (also kept in the table).
+        gap), robust with 1-3 networks; ``"scale"`` fits the scale only (through the origin: a
+        machine running uniformly slower or faster than when the units were timed); ``"affine"``
+        fits both by least squares (needs >= 2 networks of different sizes, and amplifies their
+        timing noise when they are few). Returns the calibration rows (also kept in the table).
         """
-        if fit not in ("offset", "affine"):
-            raise UsageError(f"fit must be 'offset' or 'affine', got {fit!r}")
+        if fit not in FITS:
+            raise UsageError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
         if not configs:
             raise UsageError("calibrate needs at least one config to time whole")
         if self.supernet is None:
             raise UsageError("calibrate needs the supernet: pass it to load() or attach()")
-        rows: list[dict[str, Any]] = []
-        for config in configs:
-            sums = self.unit_sum(config)
-            measured = float(self.timer(self.supernet.extract(config), [(1, *self.sample_shape)]))
-            rows.append({"config": config, "sum_ms": sums, "measured_ms": measured})
+        sums = [self.unit_sum(config) for config in configs]
+        rows: list[dict[str, Any]] = [
+            {"config": c, "sum_ms": x, "measured_ms": y}
+            for c, x, y in zip(configs, sums, self.time_whole(configs))
+        ]
         xs = [float(r["sum_ms"]) for r in rows]
         ys = [float(r["measured_ms"]) for r in rows]
         n, mean_x, mean_y = len(rows), sum(xs) / len(xs), sum(ys) / len(ys)
@@ -282,6 +215,8 @@ class LatencyTable:
             self.overhead_ms = mean_y - self.scale * mean_x
         elif fit == "affine":
             raise UsageError("fit='affine' needs >= 2 calibration networks of different latency")
+        elif fit == "scale":
+            self.scale, self.overhead_ms = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs), 0.0
         else:
             self.scale, self.overhead_ms = 1.0, mean_y - mean_x
         self.calibration = rows
@@ -310,6 +245,7 @@ class LatencyTable:
             "repeats": self.repeats,
             "warmup": self.warmup,
             "stat": self.stat,
+            "rounds": self.rounds,
             "overhead_ms": self.overhead_ms,
             "scale": self.scale,
             "space": self.space_json,
@@ -348,6 +284,7 @@ class LatencyTable:
             shape, {str(k): float(v) for k, v in data["units"].items()},
             device=data["device"], repeats=data["repeats"], warmup=data["warmup"],
             threads=data["threads"], timer=timer, stat=data.get("stat", "median"),
+            rounds=int(data.get("rounds", 1)),
         )
         table.device_name, table.torch_version = data["device_name"], data["torch"]
         table.overhead_ms, table.scale = float(data["overhead_ms"]), float(data["scale"])
@@ -377,15 +314,16 @@ def validate(
     if table.supernet is not supernet:
         table.attach(supernet)
     rows = []
+    predictions = []
     for config in configs:
         before = table.measured_lazily
-        predicted = table.predict(config)
-        measured = float(table.timer(supernet.extract(config), [(1, *table.sample_shape)]))
+        predictions.append((table.predict(config), table.measured_lazily - before))
+    for config, (predicted, lazily), measured in zip(configs, predictions, table.time_whole(configs)):
         rows.append({
             "config": config,
             "predicted_ms": predicted,
             "measured_ms": measured,
             "rel_error": (predicted - measured) / measured if measured > 0 else float("inf"),
-            "measured_lazily": table.measured_lazily - before,
+            "measured_lazily": lazily,
         })
     return rows

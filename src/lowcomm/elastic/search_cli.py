@@ -130,6 +130,7 @@ def latency_table(args: argparse.Namespace, net: Supernet, shape: tuple[int, ...
     calibrate = [space.max_config(), space.min_config()]
     table = LatencyTable.measure(net, space, shape, repeats=args.latency_repeats, samples=args.latency_samples,
                                  seed=args.seed, threads=args.latency_threads, stat=args.latency_stat,
+                                 rounds=args.latency_rounds,
                                  calibrate=calibrate if args.latency_fit != "none" else (),
                                  fit=args.latency_fit if args.latency_fit != "none" else "offset")
     if args.latency_table:
@@ -163,13 +164,10 @@ def score_function(args: argparse.Namespace, scorer: SubnetScorer) -> tuple[Any,
 
 def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float, args: argparse.Namespace,
             shape: tuple[int, ...]) -> dict[str, Any]:
-    from lowcomm.elastic.latency import measure_network
-
     row: dict[str, Any] = {"config": config, "score": valid_score, "predicted_ms": table.predict(config),
                            "test": scorer.test(config)}
     if args.measure:
-        row["measured_ms"] = measure_network(scorer.net.extract(config), shape, threads=args.latency_threads,
-                                             stat=args.latency_stat, repeats=args.latency_repeats)
+        row["measured_ms"] = table.time_whole([config])[0]  # timed as the table's units were
     return row
 
 
@@ -208,6 +206,7 @@ def search_budgets(args: argparse.Namespace, budgets: list[float]) -> dict[str, 
     return {"command": "elastic search", "supernet": args.supernet, "model": blob["model"], "data": blob["data"],
             "sample_shape": list(shape), "device": device_name("cpu"), "threads": args.latency_threads,
             "latency_stat": args.latency_stat, "latency_repeats": args.latency_repeats,
+            "latency_rounds": args.latency_rounds,
             "latency_table": args.latency_table, "latency_units_measured_lazily": table.measured_lazily,
             "score": score_info, "population": args.population, "iterations": args.iterations,
             "random_samples": args.random, "subnet_evaluations": scorer.evaluations, "budgets": rows}
@@ -221,6 +220,7 @@ def _check(args: argparse.Namespace) -> None:
     check_count("--bn-batches", args.bn_batches, minimum=0)
     check_count("--predictor-samples", args.predictor_samples, minimum=5)
     check_count("--latency-repeats", args.latency_repeats)
+    check_count("--latency-rounds", args.latency_rounds)
     check_count("--latency-samples", args.latency_samples, minimum=0)
     if args.threads is not None:
         check_count("--threads", args.threads)
@@ -314,12 +314,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--latency-table", default=None,
                    help="JSON lookup table: read if it exists, else measured on this machine and written there")
     p.add_argument("--latency-shape", default=None, help="per-sample input shape for latency (default: the data's)")
-    p.add_argument("--latency-repeats", type=int, default=30, help="timed runs per unit")
+    p.add_argument("--latency-repeats", type=int, default=10, help="timed runs per unit (and network) per round")
+    p.add_argument("--latency-rounds", type=int, default=3,
+                   help="rounds over all units (and networks), round-robin, so a slow spell of a shared "
+                        "machine cannot bias one of them; the statistic is taken over all rounds")
     p.add_argument("--latency-stat", choices=("min", "median"), default="min",
                    help="statistic of the timed runs (min: timeit's advice on a shared machine)")
     p.add_argument("--latency-threads", type=int, default=1,
                    help="torch threads while timing (the target device's; 1 by default)")
-    p.add_argument("--latency-fit", choices=("none", "offset", "affine"), default="none",
+    p.add_argument("--latency-fit", choices=("none", "offset", "scale", "affine"), default="none",
                    help="correct the table's sums by timing the largest and smallest networks whole")
     p.add_argument("--latency-samples", type=int, default=30,
                    help="random sub-networks whose units are timed up front (others are timed when first met)")

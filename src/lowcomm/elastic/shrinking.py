@@ -127,13 +127,27 @@ def step_rng(seed: int, phase: str, step: int) -> random.Random:
     return random.Random(zlib.crc32(f"{seed}:{phase}:{step}".encode()))
 
 
-def step_configs(net: Supernet, phase: Phase, seed: int, step: int) -> list[Config]:
+def phase_min_config(net: Supernet, elastic: Sequence[str]) -> Config:
+    """The smallest sub-network a phase can sample: its elastic dimensions at their smallest
+    choice, the others (not yet elastic) at their largest."""
+    small, large = net.space.min_config(), net.space.max_config()
+    return {name: (small if name in elastic else large)[name] for name in net.space.names}
+
+
+def step_configs(net: Supernet, phase: Phase, seed: int, step: int, *, sandwich: bool = False) -> list[Config]:
     """The configurations trained at ``step``: the largest network in the ``full`` phase;
-    otherwise, as OFA, ``phase.subnets`` random ones over the phase's elastic dimensions."""
+    otherwise, as OFA, ``phase.subnets`` random ones over the phase's elastic dimensions.
+
+    ``sandwich`` (BigNAS's sandwich rule, its lower end): the phase's smallest sub-network is
+    trained at every step too, first. Why: under uniform sampling the smallest networks are
+    drawn rarely and their shared weights are tuned for larger neighbours; in a short run they
+    end far behind the same architecture trained alone.
+    """
     if not phase.elastic:
         return [net.space.max_config()]
     rng = step_rng(seed, phase.name, step)
-    return [net.sample_config(rng, elastic=phase.elastic) for _ in range(phase.subnets)]
+    sampled = [net.sample_config(rng, elastic=phase.elastic) for _ in range(phase.subnets)]
+    return [phase_min_config(net, phase.elastic), *sampled] if sandwich else sampled
 
 
 class MultiNet(nn.Module):

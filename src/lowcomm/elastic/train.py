@@ -120,7 +120,8 @@ class ElasticTrainer(Trainer):
         if multi is None:
             return super().compute_loss(x, y)
         assert self.supernet is not None
-        multi.configs = step_configs(self.supernet, self.phase, self.cfg.seed, self.step)
+        multi.configs = step_configs(self.supernet, self.phase, self.cfg.seed, self.step,
+                                     sandwich=self.ecfg.sandwich)
         out = self.model(x)
         total: torch.Tensor = out["touch"]
         for o in out["outputs"]:
@@ -260,7 +261,8 @@ def _summary(ecfg: ElasticConfig, records: list[dict[str, Any]], wall_s: float) 
                        "final": {k: v for k, v in final.items() if k.startswith("test_")},
                        "wall_s": final.get("wall_s")})
     return {**last, "command": "elastic train", "mode": "scratch" if ecfg.scratch is not None else "supernet",
-            "scratch_config": ecfg.scratch, "distill": ecfg.distill, "bn_batches": ecfg.bn_batches,
+            "scratch_config": ecfg.scratch, "distill": ecfg.distill, "sandwich": ecfg.sandwich,
+            "bn_batches": ecfg.bn_batches,
             "phases": phases, "epochs": sum(int(p["epochs"]) for p in ecfg.phases), "wall_s": wall_s,
             "out": ecfg.out}
 

@@ -160,6 +160,16 @@ def profile_model(
     )
 
 
+def measure_optimizer_step(params: list[nn.Parameter], device: torch.device | str = "cpu") -> float:
+    """Seconds of one SGD-with-momentum step over ``params`` (random gradients), the step
+    :func:`profile_model` times: for a profile whose layer times come from elsewhere (a GPU
+    profile file emulated here) the optimizer still runs for real on this machine."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.SGD(params, lr=1e-6, momentum=0.9)
+    return _timed(opt.step, torch.device(device), reps=3)
+
+
 def measure_costs(device: torch.device | str = "cpu", *, n: int = 1 << 21) -> ComputeCosts:
     """Per-element costs of the kernels compression is built from, timed on ``device``."""
     device = torch.device(device)
