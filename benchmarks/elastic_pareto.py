@@ -118,6 +118,11 @@ def main() -> int:
     ap.add_argument("--data-arg", action="append", default=[])
     ap.add_argument("--supernet-arg", action="append", default=[],
                     help="an extra `lowcomm elastic train` flag for the supernet only, e.g. --supernet-arg=--sandwich")
+    ap.add_argument("--same-as", default=None,
+                    help="a results JSON: score its architectures, and reuse its from-scratch results where the "
+                         "training setup is identical (a recipe change of the supernet only, compared like for like)")
+    ap.add_argument("--reuse-supernet", action="store_true",
+                    help="--keep already holds this recipe's trained supernet (and KEEP.json its summary): skip training")
     ap.add_argument("--variant", default=None,
                     help="name of this recipe: results, doc block and plot get the suffix -VARIANT")
     ap.add_argument("--latency-only", action="store_true",
@@ -161,26 +166,52 @@ def train_rows(args: argparse.Namespace, task: dict[str, Any], sup_path: Path) -
         if args.subnets:
             extra += ["--subnets", args.subnets]
         extra += args.supernet_arg
-        sup = train(args, task, work, "supernet", *extra)
+        summary = sup_path.with_name(sup_path.name + ".json")
+        if args.reuse_supernet:
+            sup = dict(json.loads(summary.read_text()))
+        else:
+            sup = train(args, task, work, "supernet", *extra)
+            summary.write_text(json.dumps(sup))
         net, blob, bundle = load_for_search(argparse.Namespace(supernet=str(sup_path), data_dir=None))
         shape = tuple(int(s) for s in args.latency_shape.split(",")) if args.latency_shape else tuple(bundle.input_shape)
         table = measure_table(net, shape, args.seed)  # only to spread the choice over the latency range
         scorer = SubnetScorer(net, bundle, valid_size=1000, bn_batches=10, batch_size=task["batch_size"],
                               seed=args.seed)
+        setup = {**task, "epochs": sup["epochs"], "threads": args.threads, "nproc": args.nproc, "seed": args.seed}
+        earlier = json.loads(Path(args.same_as).read_text()) if args.same_as else None
+        configs = [r["config"] for r in earlier["rows"]] if earlier else choose(net, table, args.archs, args.seed)
         rows = []
-        for config in choose(net, table, args.archs, args.seed):
+        for config in configs:
             extracted = scorer.test(config)
-            scratch = train(args, task, work, f"scratch{len(rows)}", "--epochs", str(sup["epochs"]),
-                            "--scratch", json.dumps(config))
             sub = net.extract(config)
-            rows.append({"config": config, "params": sum(p.numel() for p in sub.parameters()),
-                         "extracted": extracted, "scratch": scratch_metrics(scratch, task["metric"]),
-                         "scratch_wall_s": scratch.get("wall_s")})
+            row = {"config": config, "params": sum(p.numel() for p in sub.parameters()), "extracted": extracted}
+            reused = reusable_scratch(earlier, setup, config) if earlier else None
+            if reused is not None:
+                row.update(reused, scratch_from=f"{Path(args.same_as).name} (commit {earlier['commit']})")
+            else:
+                scratch = train(args, task, work, f"scratch{len(rows)}", "--epochs", str(sup["epochs"]),
+                                "--scratch", json.dumps(config))
+                row.update(scratch=scratch_metrics(scratch, task["metric"]), scratch_wall_s=scratch.get("wall_s"))
+            rows.append(row)
     return {"machine": acc.machine(), "commit": acc.short_commit(acc._git_commit()),
             "task": args.task, "setup": {**task, "epochs": sup["epochs"], "phases": sup["phases"],
                                          "threads": args.threads, "nproc": args.nproc, "latency_shape": list(shape),
                                          "seed": args.seed, "supernet_args": args.supernet_arg},
             "supernet_wall_s": sup.get("wall_s"), "rows": rows}
+
+
+#: What must be equal for a from-scratch run of an earlier results file to be this run's.
+SCRATCH_SETUP = ("model", "data", "data_args", "optimizer", "lr", "weight_decay", "batch_size", "epochs", "threads",
+                 "nproc", "seed")
+
+
+def reusable_scratch(earlier: dict[str, Any], setup: dict[str, Any], config: dict[str, Any]) -> dict[str, Any] | None:
+    """The earlier file's from-scratch result of ``config`` if it was trained exactly as this run would train it
+    (the from-scratch run does not depend on the supernet's recipe), else None."""
+    if any(earlier["setup"].get(k) != setup.get(k) for k in SCRATCH_SETUP):
+        return None
+    row = next((r for r in earlier["rows"] if r["config"] == config), None)
+    return None if row is None else {"scratch": row["scratch"], "scratch_wall_s": row.get("scratch_wall_s")}
 
 
 def scratch_metrics(summary: dict[str, Any], metric: str) -> dict[str, float]:
