@@ -49,7 +49,9 @@ def method_spec(name: str) -> str:
     if options is None or not dataclasses.is_dataclass(options):
         return name
     own = {f.name for f in dataclasses.fields(options) if isinstance(f.default, (int, float, str))}
-    extra = [kv for key, kv in (("start_iter", "start_iter=1"), ("sparsity_warmup", "sparsity_warmup=0")) if key in own]
+    extra = [kv for key, kv in (("start_iter", "start_iter=1"), ("sparsity_warmup", "sparsity_warmup=0"),
+                                ("sync_every", "sync_every=1"), ("fragments", "fragments=1"), ("delay", "delay=0"), ("alpha", "alpha=0"))
+             if key in own]  # semi-synchronous methods: replicas equal after every step
     return f"{name}:{','.join(extra)}" if extra else name
 
 

@@ -20,7 +20,7 @@ from tolerance import assert_close_eps
 
 def test_registry_lists_the_builtin_datasets() -> None:
     assert data.names() == sorted(
-        ["mnist1d", "digits", "cifar10", "cifar100", "imagefolder", "wikitext2", "synthetic", "leaf", "stereo",
+        ["mnist1d", "digits", "cifar10", "cifar100", "imagefolder", "wikitext2", "synthetic", "leaf", "stereo", "stdlib",
          "sceneflow"])
 
 

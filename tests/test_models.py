@@ -20,6 +20,8 @@ TINY_KWARGS: dict[str, dict] = {
     "resnet50_imagenet": {"num_classes": 7},
     "wide_resnet50_2": {"num_classes": 7},
     "vgg19": {},
+    "vgg16": {},
+    "vgg16_imagenet": {"num_classes": 7},  # the 25088x4096 head stays: 1.1 GB with its gradient
     "lstm_lm": {"vocab_size": 100, "emb_size": 32, "hidden_size": 32},
     "transformer": {"vocab_size": 50, "d_model": 32, "nhead": 4, "num_encoder_layers": 2,
                     "num_decoder_layers": 2, "dim_feedforward": 64},
@@ -33,7 +35,7 @@ TINY_KWARGS: dict[str, dict] = {
     "elastic_stereo": {"max_disp": 16, "stem_channels": 4, "channels": (4, 6, 8), "stem_stride": 2,
                        "depth_choices": (1, 2), "agg_channels": 4, "refine_channels": 4},
 }
-TINY_INPUT_SHAPE = {"resnet18_imagenet": (3, 64, 64), "resnet50_imagenet": (3, 64, 64),
+TINY_INPUT_SHAPE = {"resnet18_imagenet": (3, 64, 64), "resnet50_imagenet": (3, 64, 64), "vgg16_imagenet": (3, 32, 32),
                     "wide_resnet50_2": (3, 64, 64), "elastic_stereo": (6, 16, 32)}
 
 

@@ -36,7 +36,7 @@ def test_dear_with_fp16_halves_both_halves_and_decodes_before_each_update() -> N
 
 def test_lee18_with_a_cast_decodes_only_its_shard() -> None:
     prof = two_layers()
-    pred = predict_iteration_time(prof, "lee18:compress=bf16", workers=4, network=NET)
+    pred = predict_iteration_time(prof, "lee18:compress=bf16,fc=data_parallel,update=step", workers=4, network=NET)
     n = prof.numel
     assert pred.timeline.find("dec.shard", 3).duration == pytest.approx(n * 1e-9 / 4)
 

@@ -85,6 +85,7 @@ DATASETS: Registry[DataBundle] = Registry(
         "lowcomm.data.stereo",
         "lowcomm.data.synthetic",
         "lowcomm.data.leaf",
+        "lowcomm.data.stdlib_corpus",
     ],
 )
 

@@ -66,6 +66,10 @@ class MethodContext:
     #: None: unknown (a relative default then falls back to a fixed step count)
     steps_per_epoch: int | None = None
     total_steps: int | None = None
+    #: samples per worker per step (None: unknown), for choices that depend on it (lee18's fc=auto)
+    batch_size: int | None = None
+    #: fp16 loss scaling (a GradScaler) will be attached, for methods that cannot carry it
+    loss_scaling: bool = False
 
 
 @dataclass

@@ -31,18 +31,9 @@ from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, probe_alpha_beta
 from lowcomm.sched.engine import Engine, Mode
 from lowcomm.sched.module import ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
-from lowcomm.sched.options import chosen_codec, describe_options, with_codec_options
+from lowcomm.parallel.lee18_fc import Lee18FCFields, ModelParallelFC
+from lowcomm.sched.options import EngineFields, chosen_codec, describe_options, with_codec_options
 from lowcomm.sched.tune import MB, ThresholdTuner, agree, agree_float, check_bayes_opt, control_device, window_time
-
-
-@dataclass
-class EngineFields:
-    """Options every engine schedule has: ``compress=<codec name>`` (``none``: plain
-    averaging; the codec's keys join in :func:`with_codec_options`) and whether rank 0's
-    buffers (BatchNorm statistics) are broadcast before each training forward, as DDP does."""
-
-    compress: str = "none"
-    broadcast_buffers: bool = True
 
 
 class EngineMethod(Method):
@@ -390,9 +381,19 @@ class DeAR(EngineMethod):
 
 # --------------------------------------------------------------------------------------------
 @register
-class Lee18(EngineMethod):
-    """Per-layer reduce-scatter, sharded update, all-gather of parameters before forward."""
+class Lee18(ModelParallelFC, EngineMethod):
+    """Per-layer reduce-scatter, sharded update, all-gather of parameters before forward;
+    ``fc=``: Linear layers model-parallel (:mod:`lowcomm.parallel.lee18_fc`)."""
 
     name = "lee18"
     mode = Mode.SHARD
-    Options = with_codec_options(name, mode, EngineFields)
+    Options = with_codec_options(name, mode, Lee18FCFields)
+
+    def setup(self, engine: Engine) -> None:
+        """``update=layer``: step each group's shard as its reduce-scatter completes."""
+        engine.layer.requested = self.options.update == "layer"
+
+    def describe(self) -> dict[str, Any]:
+        """Adds why ``update=layer`` ran the end-of-step update instead, if it did."""
+        fallbacks = {"update_fallbacks": list(self.engine.layer.fallbacks)} if self.engine is not None else {}
+        return {**super().describe(), **fallbacks}

@@ -24,7 +24,9 @@ Module names (stable: low-rank presets select modules by these qualified names)
 * ``vgg19``: ``features`` (``nn.Sequential``; conv layers at indices listed in
   :data:`lowcomm.models.vgg.VGG19_CONV_INDICES`), ``avgpool``, ``classifier``
   (``Sequential``: ``0`` Dropout, ``1`` Linear 512x512, ``2`` ReLU, ``3`` Dropout,
-  ``4`` Linear 512x512, ``5`` ReLU, ``6`` Linear 512xC).
+  ``4`` Linear 512x512, ``5`` ReLU, ``6`` Linear 512xC). ``vgg16``: the same names.
+* ``vgg16_imagenet`` (torchvision layout): ``features``, ``avgpool`` (7x7), ``classifier``
+  (Linear 25088x4096 at ``0``, 4096x4096 at ``3``, 4096xC at ``6``).
 * ``lstm_lm``: ``encoder`` (Embedding), ``rnn`` (:class:`~lowcomm.models.lstm.LSTM`, with
   ``rnn.layers.K.ih`` / ``rnn.layers.K.hh`` as ``nn.Linear`` gate projections), ``drop``,
   ``decoder`` (Linear, weight tied to ``encoder``).

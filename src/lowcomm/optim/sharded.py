@@ -22,6 +22,7 @@ schedules change only the second in one of two ways, and neither needs its own o
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -126,6 +127,35 @@ class _Piece:
     piece: nn.Parameter
 
 
+def _copy_into(src: Any, dst: Any) -> Any:
+    """``src`` copied into ``dst`` when ``dst`` is a tensor of the same kind, else a new copy.
+
+    Why reuse: a fresh copy of the whole shard every step costs its allocation (page faults
+    on CPU) more than the copy itself; the buffers of the last snapshot are free again."""
+    if not torch.is_tensor(src):
+        return copy.deepcopy(src)
+    if torch.is_tensor(dst) and dst.shape == src.shape and dst.dtype == src.dtype and dst.device == src.device:
+        return dst.copy_(src)
+    return src.clone()
+
+
+def _copy_state(state: dict[str, Any] | None, into: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A copy of one parameter's optimizer state, reusing ``into``'s tensors (None: no state)."""
+    if state is None:
+        return None
+    return {k: _copy_into(v, (into or {}).get(k)) for k, v in state.items()}
+
+
+@dataclass
+class Snapshot:
+    """Buffer ``k``'s slice before one :meth:`ShardedOptimizer.step_buffer`: its weights and
+    the state of each of its pieces (by ``id``)."""
+
+    k: int
+    weights: torch.Tensor
+    state: dict[int, dict[str, Any] | None]
+
+
 class ShardedOptimizer:
     """A copy of the user's optimizer over this rank's slice of every buffer (lee18).
 
@@ -159,6 +189,8 @@ class ShardedOptimizer:
                 pieces_of[id(p)] = piece
                 self.pieces.append(_Piece(p, k, i, a, b, piece))
         self._set_grads()
+        self._pieces_of = [[pc.piece for pc in self.pieces if pc.k == k] for k in range(len(self.buffers))]
+        self._snapshots: dict[int, Snapshot] = {}  # the last one per buffer (its buffers are reused)
         groups = [{**{k: v for k, v in pg.items() if k != "params"},
                    "params": [pieces_of[id(p)] for p in pg["params"] if id(p) in pieces_of]}
                   for pg in optimizer.param_groups]
@@ -174,16 +206,21 @@ class ShardedOptimizer:
                 "elementwise torch optimizer such as SGD, Adam or AdamW"
             ) from None
 
-    def _set_grads(self) -> None:
+    def _set_grads(self, only: int | None = None) -> None:
         for pc in self.pieces:
+            if only is not None and pc.k != only:
+                continue
             buf = self.buffers[pc.k]
             start = buf.offsets[pc.i] + pc.a - buf.lo
             pc.piece.grad = buf.grad[start : start + (pc.b - pc.a)] if pc.b > pc.a else buf.grad[0:0]
 
-    def import_state(self, optimizer: torch.optim.Optimizer) -> None:
+    def import_state(self, optimizer: torch.optim.Optimizer, only: int | None = None) -> None:
         """Take this rank's slice of any full state in ``optimizer`` (a loaded checkpoint or a
-        consolidation) and drop it there: from now on the slice is the state."""
+        consolidation) and drop it there: from now on the slice is the state (``only``: only
+        buffer ``only``'s parameters)."""
         for pc in self.pieces:
+            if only is not None and pc.k != only:
+                continue
             full = optimizer.state.pop(pc.param, None)
             if not full:
                 continue
@@ -195,17 +232,64 @@ class ShardedOptimizer:
                     st[k] = v.clone() if torch.is_tensor(v) else v
             self.optimizer.state[pc.piece] = st
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """One update of this rank's slices with ``optimizer``'s current hyperparameters."""
-        self.import_state(optimizer)
+    def _take_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
+        """lr, momentum, ... as the user's optimizer holds them now (an LR scheduler's or the
+        user's own changes between steps are honoured)."""
         live = [pg for pg, ok in zip(optimizer.param_groups, self._live) if ok]
         for upg, spg in zip(live, self.optimizer.param_groups):
             for k, v in upg.items():
                 if k != "params":
                     spg[k] = v
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """One update of this rank's slices with ``optimizer``'s current hyperparameters."""
+        self.import_state(optimizer)
+        self._take_hyperparameters(optimizer)
         self._set_grads()
         self.optimizer.step()
         self.dirty = True
+
+    def step_buffer(self, optimizer: torch.optim.Optimizer, k: int) -> Snapshot:
+        """Update buffer ``k``'s slice only (lee18's per-layer update), with ``optimizer``'s
+        hyperparameters as they are now; returns what :meth:`restore` needs to undo it.
+
+        Why a subset step is the same update: the allowlisted optimizers are elementwise and
+        keep their state per parameter (per piece here), so stepping the pieces of each buffer
+        once, in any order, is one ordinary step. The snapshot (this slice's weights and
+        state, 1/P of the buffer) is what lets a step found non-finite only later, in another
+        group, be skipped exactly."""
+        self.import_state(optimizer, k)
+        self._take_hyperparameters(optimizer)
+        mine = self._pieces_of[k]
+        last = self._snapshots.get(k)  # confirmed or undone by now: its buffers are free
+        snap = Snapshot(k, _copy_into(self.param_shards[k], last.weights if last else None),
+                        {id(p): _copy_state(self.optimizer.state.get(p), last.state.get(id(p)) if last else None)
+                         for p in mine})
+        self._snapshots[k] = snap
+        members = {id(p) for p in mine}
+        original = self.optimizer.param_groups
+        subset = [{**pg, "params": ps} for pg in original if (ps := [p for p in pg["params"] if id(p) in members])]
+        self._set_grads(k)
+        try:
+            self.optimizer.param_groups = subset
+            self.optimizer.step()
+        finally:
+            self.optimizer.param_groups = original
+        self.dirty = True
+        return snap
+
+    def restore(self, snap: Snapshot) -> None:
+        """Undo one :meth:`step_buffer` (weights and optimizer state of that slice)."""
+        with torch.no_grad():
+            self.param_shards[snap.k].copy_(snap.weights)
+        for p in self._pieces_of[snap.k]:
+            saved = snap.state[id(p)]
+            if saved is None:
+                self.optimizer.state.pop(p, None)
+                continue
+            now = self.optimizer.state.get(p) or {}
+            # into the live tensors (the snapshot's own buffers are reused by the next one)
+            self.optimizer.state[p] = {key: _copy_into(v, now.get(key)) for key, v in saved.items()}
 
     def consolidate(self, optimizer: torch.optim.Optimizer,
                     gather: Callable[[int, torch.Tensor], torch.Tensor]) -> None:

@@ -6,6 +6,8 @@ tests read them) and must not move when the loop changes.
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,9 +43,9 @@ def summary(t: Trainer) -> dict[str, Any]:
                       "momentum": t.cfg.momentum, "weight_decay": t.cfg.weight_decay,
                       "kfac": t.cfg.kfac},  # K-FAC's settings in front of the base (None: off)
         "amp": t.cfg.amp,
-        "params": sum(p.numel() for p in t.raw.parameters()),
+        "params": sum(math.prod(full_shape(p, t.dist.world_size)) for p in t.raw.parameters()),
         # the model as trained (factorized after a Pufferfish switch): the bench's kernel bound
-        "grad_shapes": [list(p.shape) for p in t.raw.parameters() if p.requires_grad],
+        "grad_shapes": [full_shape(p, t.dist.world_size) for p in t.raw.parameters() if p.requires_grad],
         "params_initial": t.params_before,
         "bytes_sent_per_worker": led.wire_bytes,
         "bytes_per_worker_per_iter": float(np.median(bytes_iter)) if bytes_iter else 0.0,
@@ -76,3 +78,12 @@ def summary(t: Trainer) -> dict[str, Any]:
     if t.bundle.synthetic:
         result["note"] = "synthetic data: timing only"
     return result
+
+
+def full_shape(p: torch.Tensor, world: int) -> list[int]:
+    """The shape of the whole parameter: a model-parallel partition (lee18's FC layers, each
+    rank's rows) counts as all ranks' rows, so a run's parameter count is the model's."""
+    from lowcomm.parallel.fc import is_model_parallel_param
+
+    shape = list(p.shape)
+    return [shape[0] * world, *shape[1:]] if is_model_parallel_param(p) and shape else shape

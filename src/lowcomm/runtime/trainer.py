@@ -85,6 +85,7 @@ class Trainer:
             codec_momentum=float(moved.get("momentum", 0.0)),
             steps_per_epoch=self.steps_per_epoch,
             total_steps=self.total_steps,
+            batch_size=cfg.batch_size,
         )
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self.warmup_steps = (
@@ -92,6 +93,7 @@ class Trainer:
         )
         self.amp_dtype = amp_dtype(cfg, self.dist.device)
         self.scaler: torch.amp.GradScaler | None = grad_scaler(self.amp_dtype, self.dist.device)  # fp16 only
+        self.ctx.loss_scaling = self.scaler is not None and self.scaler.is_enabled()
         self.clock = LastGradClock()
         self.timer = timing.timer()
         self.step = self.start_epoch = self.start_batch = 0

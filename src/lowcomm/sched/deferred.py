@@ -10,7 +10,9 @@ pending group's (one group ahead, so it overlaps this group's forward) and
   optimizer on this group's parameters only (:func:`lowcomm.optim.sharded.step_subset`, with
   the hyperparameters recorded at the step);
 * ``lee18``: copies the all-gathered updated parameters into the model (the update already
-  ran on this rank's shards, :class:`lowcomm.optim.sharded.ShardedOptimizer`).
+  ran on this rank's shards, :class:`lowcomm.optim.sharded.ShardedOptimizer`: in
+  :meth:`Deferred.step`, or group by group during backward with ``update=layer``,
+  :mod:`lowcomm.sched.layer_update`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ class Deferred:
                 self.sharded = ShardedOptimizer(optimizer, [
                     FlatShard(g.params, g.offsets, g.shard, e.rank * g.shard.numel()) for g in e.groups
                 ])
-            self.sharded.step(optimizer)
+            if not e.layer.confirm(optimizer):  # update=layer: ran group by group in backward
+                self.sharded.step(optimizer)
         for g in e.groups:
             g.pending = True
         self._launch(e.groups[0])

@@ -12,7 +12,8 @@ Three modes (:class:`~lowcomm.sched.pairing.Mode`): ``allreduce`` (WFBP, MG-WFBP
 each group and ``finish_sync`` writes the averaged gradient into ``p.grad`` for the user's
 optimizer; ``dear`` (DeAR) and ``shard`` (Lee et al. 2018) reduce-scatter each group in
 backward and defer the all-gather and the update to the next forward
-(:mod:`lowcomm.sched.deferred`, update rules in :mod:`lowcomm.optim.sharded`). Any codec
+(:mod:`lowcomm.sched.deferred`, update rules in :mod:`lowcomm.optim.sharded`; lee18's
+``update=layer`` steps each group's shard in backward: :mod:`lowcomm.sched.layer_update`). Any codec
 (``codec``) can replace the gradient by its message (:mod:`lowcomm.sched.payload`; the pairs
 that work: :mod:`lowcomm.sched.pairing`).
 
@@ -49,8 +50,10 @@ from lowcomm.compress.feedback import StepFlags, finite_flag, poison_
 from lowcomm.errors import UsageError
 from lowcomm.sched.deferred import Deferred
 from lowcomm.sched.groups import Group, Unit, build_groups, check_unused, collect_units, name_list
+from lowcomm.sched.layer_update import LayerUpdate
 from lowcomm.sched.pairing import Mode
 from lowcomm.sched.payload import Carrier, world_and_rank
+from lowcomm.sched.replicas import broadcast_buffers, broadcast_initial
 from lowcomm.sched.shardview import ShardView, agree_nonfinite, clip_sharded_
 
 __all__ = ["Engine", "Mode"]
@@ -90,6 +93,7 @@ class Engine:
         self._unit_of: dict[int, int] = {id(p): u.index for u in self.units for p in u.params}
         self.sizes: list[int] = []
         self.deferred = Deferred(self)
+        self.layer = LayerUpdate(self)  # lee18 update=layer: shards stepped in backward
         self.set_grouping(sizes or [1] * len(self.units))
         self.steps = 0  # completed synchronizations
         self._launch_ptr = 0
@@ -115,11 +119,8 @@ class Engine:
 
     def _broadcast_initial(self) -> None:
         """Start from rank 0's parameters and buffers, like DDP."""
-        if not self.distributed or self.world == 1:
-            return
-        with torch.no_grad():
-            for t in list(self.model.parameters()) + list(self.model.buffers()):
-                accounting.broadcast(t.data, self._src(), group=self.pg, tag=f"{self.tag}.init")
+        if self.distributed and self.world > 1:
+            broadcast_initial(self.model, self._src(), self.pg, self.tag)
 
     def _register_hooks(self) -> None:
         for u in self.units:
@@ -186,6 +187,7 @@ class Engine:
                 return
             self._launch(g)
             self._launch_ptr += 1
+            self.layer.launched(g)
 
     def _launch(self, g: Group) -> None:
         if g.padded > g.numel:
@@ -235,11 +237,12 @@ class Engine:
         self._try_launch()
         self.finite_flags.clear()
         for g in reversed(self.groups):
-            self.finite_flags.note(finite_flag(self._settle(g)))
+            self.finite_flags.note(self.layer.finite(g))
             g.ready.clear()
             g.launched = False
         if self.mode is not Mode.ALLREDUCE:  # shards: make every rank's skip decision the same
             agree_nonfinite(self.finite_flags, self._reduce(dist.ReduceOp.MAX, "finite"))
+        self.layer.finish()
         self._launch_ptr = 0
         self.steps += 1
         if self.codec is not None:
@@ -314,6 +317,7 @@ class Engine:
         for g in self.groups:
             g.msg = None
             g.full = False
+        self.layer.undo()  # lee18 update=layer: restore the slices updated in backward
 
     # --- update -----------------------------------------------------------------------------
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -368,6 +372,7 @@ class Engine:
             )
         if float(norm_type) != 2.0:
             raise UsageError(f"{self.tag}: only norm_type=2 clipping is supported, got {norm_type}")
+        self.layer.before_clip()
 
         return clip_sharded_(self.groups, self.rank, self._reduce(dist.ReduceOp.SUM, "clip") or (lambda t: None),
                              max_norm)
@@ -376,12 +381,7 @@ class Engine:
     def before_forward(self) -> None:
         """Broadcast rank 0's buffers (BatchNorm statistics), like DDP, before a training forward."""
         if self.broadcast_buffers and self.distributed and self.world > 1 and self.model.training:
-            bufs = [b for b in self.model.buffers() if b.numel()]
-            if bufs:
-                flat = torch._utils._flatten_dense_tensors([b.data for b in bufs])
-                accounting.broadcast(flat, self._src(), group=self.pg, tag=f"{self.tag}.buffers")
-                for b, v in zip(bufs, torch._utils._unflatten_dense_tensors(flat, bufs)):
-                    b.data.copy_(v)
+            broadcast_buffers(self.model, self._src(), self.pg, self.tag)
 
     def after_forward(self) -> None:
         """Note when forward ended (MG-WFBP measures gradient-ready times from here)."""

@@ -42,13 +42,14 @@ class Unit:
 
 
 def collect_units(model: nn.Module) -> list[Unit]:
-    """Units of ``model`` in registration (≈ forward) order; frozen parameters are skipped."""
+    """Units of ``model`` in registration (≈ forward) order; frozen parameters and model-parallel
+    partitions (:mod:`lowcomm.parallel.fc`: each rank owns different rows, never averaged) are skipped."""
     seen: set[int] = set()
     units: list[Unit] = []
     for mod_name, module in model.named_modules():
         params, names = [], []
         for p_name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad or id(p) in seen:
+            if not p.requires_grad or id(p) in seen or getattr(p, "lowcomm_model_parallel", False):
                 continue
             seen.add(id(p))
             params.append(p)

@@ -13,6 +13,7 @@ A key both sides know (``seed``) goes to both.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from lowcomm.compress.codec import CODECS, Codec, codec_class
@@ -37,6 +38,34 @@ class _Unset:
 
 
 UNSET = _Unset()
+
+
+@dataclass
+class EngineFields:
+    """Options every engine schedule has: ``compress=<codec name>`` (``none``: plain
+    averaging; the codec's keys join in :func:`with_codec_options`) and whether rank 0's
+    buffers (BatchNorm statistics) are broadcast before each training forward, as DDP does."""
+
+    compress: str = "none"
+    broadcast_buffers: bool = True
+
+
+#: lee18's ``update=`` values (:class:`Lee18Fields`)
+LEE18_UPDATES = ("layer", "step")
+
+
+@dataclass
+class Lee18Fields(EngineFields):
+    """lee18: ``update=layer`` (the paper) steps each fused group's shard as soon as its
+    reduce-scatter completes in backward (:mod:`lowcomm.sched.layer_update`, with its
+    automatic fallbacks); ``update=step`` steps every shard in the optimizer step."""
+
+    update: str = "layer"
+
+    def __post_init__(self) -> None:
+        self.update = str(self.update).strip().lower()
+        if self.update not in LEE18_UPDATES:
+            raise UsageError(f"lee18: update={self.update!r} is not valid; valid: {', '.join(LEE18_UPDATES)}")
 
 
 def _codec_fields() -> dict[str, dataclasses.Field[Any]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowcomm.compress.codec import CODECS, codec_class
+from lowcomm.errors import UsageError
 from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.predict import Prediction, predict_iteration_time
 from lowcomm.sim.profile import Profile
@@ -20,12 +21,19 @@ from lowcomm.sim.schedules import SCHEDULES
 
 #: A lossy method is recommended only if it beats the best exact one by more than this.
 LOSSY_MARGIN = 0.05
+#: Semi-synchronous methods (local steps between syncs) change the optimization more than a
+#: payload compressor does (H local steps; the final loss must be checked), so they are a
+#: separate branch of the advice, named only when they beat the recommended synchronous
+#: method by more than this (predicted iteration time).
+SEMI_SYNC_MARGIN = 0.2
+#: the semi-synchronous methods the advice's separate branch tries, at their defaults
+SEMI_SYNC = ("localsgd", "diloco", "streaming_diloco")
 
 
 def candidates(profile: Profile | None = None) -> list[str]:
     """Methods the advisor compares: every advised schedule and every registered codec
     (``pufferfish`` only when ``profile`` is None or has a factorized model)."""
-    schedules = [n for n, cls in SCHEDULES.items() if cls.advised]
+    schedules = [n for n, cls in SCHEDULES.items() if cls.advised and not getattr(cls, "semi_synchronous", False)]
     pufferfish = [n for n in schedules if n == "pufferfish"]
     out = [n for n in schedules if n not in pufferfish] + CODECS.names() + pufferfish
     if profile is not None and profile.factorized is None:
@@ -73,6 +81,10 @@ class Advice:
     ranking: list[Prediction]
     baseline: Prediction
     skipped: dict[str, str] = field(default_factory=dict)
+    #: semi-synchronous methods predicted faster than :attr:`best` by SEMI_SYNC_MARGIN, fastest first
+    semi_synchronous: list[Prediction] = field(default_factory=list)
+    #: lee18 with model-parallel FC layers against data-parallel ones (:func:`model_parallel_fc`)
+    fc: dict[str, Any] | None = None
 
     @property
     def best(self) -> Prediction:
@@ -98,15 +110,20 @@ class Advice:
             "ranking": [dict(p.as_dict(), speedup_vs_ssgd=self.speedup(p), caveat=caveat(p.method))
                         for p in self.ranking],
             "skipped": self.skipped,
+            **({"semi_synchronous": [dict(p.as_dict(), speedup_vs_ssgd=self.speedup(p), caveat=caveat(p.method))
+                                     for p in self.semi_synchronous]} if self.semi_synchronous else {}),
+            **({"model_parallel_fc": self.fc} if self.fc is not None else {}),
         }
 
 
 def advise(profile: Profile, *, workers: int, network: NetworkModel,
-           methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float = 25.0) -> Advice:
+           methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float = 25.0,
+           semi_sync: bool = True) -> Advice:
     """Predict every applicable method and rank them by iteration time (fastest first).
 
     ``methods``: default :func:`candidates`. ``dear`` is simulated with its tuner on
-    (``dear:tune=true``) unless options are given.
+    (``dear:tune=true``) unless options are given. ``semi_sync``: also try the
+    semi-synchronous methods, reported apart (:attr:`Advice.semi_synchronous`).
     """
     specs = ["dear:tune=true" if m == "dear" else m for m in (methods or candidates())]
     preds: list[Prediction] = []
@@ -120,5 +137,56 @@ def advise(profile: Profile, *, workers: int, network: NetworkModel,
     baseline = next((p for p in preds if p.method == "ssgd"), None) or predict_iteration_time(
         profile, "ssgd", workers=workers, network=network, bucket_mb=bucket_mb)
     preds.sort(key=lambda p: p.iter_time_s)
-    return Advice(workers=workers, network=network.describe(), ranking=preds, baseline=baseline,
-                  skipped=skipped)
+    adv = Advice(workers=workers, network=network.describe(), ranking=preds, baseline=baseline,
+                 skipped=skipped)
+    if any(p.method.startswith("lee18") for p in preds):
+        adv.fc = model_parallel_fc(profile, workers=workers, network=network, bucket_mb=bucket_mb)
+    if semi_sync:
+        adv.semi_synchronous = _semi_synchronous(profile, adv, workers=workers, network=network)
+    return adv
+
+
+def _semi_synchronous(profile: Profile, adv: Advice, *, workers: int, network: NetworkModel) -> list[Prediction]:
+    """The separate branch: :data:`SEMI_SYNC` methods that beat the synchronous recommendation
+    by :data:`SEMI_SYNC_MARGIN` (fastest first); one too finely split for the profile is skipped."""
+    out = []
+    for m in SEMI_SYNC:
+        try:
+            p = predict_iteration_time(profile, m, workers=workers, network=network)
+        except UsageError as e:
+            adv.skipped[m] = str(e)
+            continue
+        if p.iter_time_s * (1 + SEMI_SYNC_MARGIN) < adv.best.iter_time_s:
+            out.append(p)
+    return sorted(out, key=lambda p: p.iter_time_s)
+
+
+def model_parallel_fc(profile: Profile, *, workers: int, network: NetworkModel,
+                      bucket_mb: float = 25.0) -> dict[str, Any] | None:
+    """When Lee et al.'s model-parallel FC layers win: lee18 with every evenly splittable
+    Linear model-parallel against all data-parallel, and the layers ``fc=auto`` picks at the
+    profile's batch. None when the profile has no such layer. Model parallelism moves
+    ``batch x (in + out)`` activations and errors per layer instead of ``in x out`` weights,
+    so it wins for wide layers at small batches (VGG's head), not for small heads."""
+    from lowcomm.sim.schedules.lee18_fc import model_parallel_layers
+
+    layers = model_parallel_layers(profile, workers, "model_parallel", profile.batch_size)
+    if not layers:
+        return None
+    dp, mp = (predict_iteration_time(profile, f"lee18:fc={fc}", workers=workers, network=network,
+                                     bucket_mb=bucket_mb) for fc in ("data_parallel", "model_parallel"))
+    auto = model_parallel_layers(profile, workers, "auto", profile.batch_size)
+    names = [profile.layers[i].name for i in auto]
+    wins = mp.iter_time_s < dp.iter_time_s
+    return {
+        "wins": wins,
+        "auto_layers": names,
+        "data_parallel_iter_time_s": dp.iter_time_s,
+        "model_parallel_iter_time_s": mp.iter_time_s,
+        "data_parallel_wire_bytes_per_worker": dp.wire_bytes_per_worker,
+        "model_parallel_wire_bytes_per_worker": mp.wire_bytes_per_worker,
+        "advice": (f"run lee18 with model-parallel FC layers ({', '.join(names) or 'all Linear layers'}): "
+                   f"{dp.iter_time_s / mp.iter_time_s:.2f}x faster than data-parallel FC" if wins else
+                   "keep FC layers data-parallel (lee18:fc=data_parallel): at this batch, moving "
+                   "activations costs more than averaging the weights"),
+    }

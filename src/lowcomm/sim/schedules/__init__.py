@@ -33,11 +33,15 @@ from lowcomm.sim.schedules.codec import CodecPlan
 from lowcomm.sim.schedules.ddp import SSGD, BucketSchedule, CodecSchedule, NoComm, Pufferfish
 from lowcomm.sim.schedules.engine import MGWFBP, WFBP, DeAR, Lee18, forward_groups, mgwfbp_groups
 from lowcomm.sim.schedules.hier import Hier
+from lowcomm.sim.schedules.lee18_fc import Lee18FC
+from lowcomm.sim.schedules.localsgd import DiLoCoSchedule, LocalSGDSchedule, StreamingDiLoCoSchedule
 
 #: schedules of the methods that are not a codec by itself
 SCHEDULES: dict[str, type[Schedule]] = {
     cls.name: cls for cls in (SSGD, NoComm, Pufferfish, WFBP, MGWFBP, DeAR, Lee18, Hier)
 }
+SCHEDULES.update({cls.name: cls for cls in (LocalSGDSchedule, DiLoCoSchedule, StreamingDiLoCoSchedule)})
+SCHEDULES[Lee18FC.name] = Lee18FC  # lee18 with its fc= option (model-parallel FC layers)
 
 
 def method_names() -> list[str]:
@@ -79,7 +83,8 @@ def make_schedule(method_spec: str) -> Schedule:
     name = name.strip()
     if name in SCHEDULES:
         cls = SCHEDULES[name]
-        own, plan = _split_codec_options(name, opts)
+        # a schedule that parses compress= itself (a nested codec spec: diloco) gets it whole
+        own, plan = (opts, None) if getattr(cls, "parses_compress", False) else _split_codec_options(name, opts)
         return cls(_method_options(name, own, cls.Options), plan)
     if name in CODECS:
         options = _method_options(name, opts, codec_class(name).Options)
