@@ -93,7 +93,8 @@ def main() -> int:
         checks = validate(table, net, unseen, shape)
         table_info = {"units": len(table.units), "scale": table.scale, "overhead_ms": table.overhead_ms,
                       "samples": args.table_samples, "fit": args.fit, "calibration_networks": len(table.calibration),
-                      "repeats": args.repeats, "rounds": args.rounds, "stat": "min"}
+                      "repeats": args.repeats, "rounds": args.rounds, "stat": "min",
+                      "allocator": getattr(table.timer, "allocator", None)}
         results = REPO / "benchmarks" / "results" / f"elastic_search_{args.task}.json"
         if args.latency_only:
             doc = json.loads(results.read_text())
@@ -136,7 +137,8 @@ def finish(doc: dict[str, Any], results: Path, task: str) -> int:
 def _timing(table: dict[str, Any]) -> str:
     if "rounds" not in table:  # recorded before interleaved rounds existed
         return "median of 20 runs"
-    return f"{table['stat']} of {table['rounds']} interleaved rounds x {table['repeats']} runs (networks timed the same way)"
+    text = f"{table['stat']} of {table['rounds']} interleaved rounds x {table['repeats']} runs (networks timed the same way)"
+    return text + (f"; CPU memory: {table['allocator']}" if table.get("allocator") else "")
 
 
 def _fit(table: dict[str, Any]) -> str:

@@ -282,3 +282,15 @@ def test_scale_fit_goes_through_the_origin() -> None:
     assert table.scale == pytest.approx(1.5) and table.overhead_ms == 0.0
     with pytest.raises(UsageError, match="fit must be one of offset, scale, affine"):
         table.calibrate([space.max_config()], fit="ratio")
+
+
+def test_the_cpu_timer_keeps_memory_steady_and_the_table_records_how(tmp_path) -> None:
+    from lowcomm.elastic.latency_timer import steady_allocator
+
+    first = steady_allocator()
+    assert first == steady_allocator()  # once per process
+    assert first.startswith(("glibc:", "system default"))
+    assert WallTimer(repeats=1, warmup=0).allocator == first
+    net = FakeSupernet()
+    LatencyTable.measure(net, net.space, SHAPE, samples=0, timer=FakeTimer()).save(tmp_path / "t.json")
+    assert json.loads((tmp_path / "t.json").read_text())["allocator"] == "injected timer"

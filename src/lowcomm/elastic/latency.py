@@ -246,6 +246,7 @@ class LatencyTable:
             "warmup": self.warmup,
             "stat": self.stat,
             "rounds": self.rounds,
+            "allocator": getattr(self.timer, "allocator", "injected timer"),
             "overhead_ms": self.overhead_ms,
             "scale": self.scale,
             "space": self.space_json,

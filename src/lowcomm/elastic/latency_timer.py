@@ -17,7 +17,7 @@ from torch import nn
 from lowcomm.errors import UsageError
 from lowcomm.runtime.host import cpu_name
 
-__all__ = ["STATS", "Timer", "WallTimer", "combine", "device_name", "measure_network"]
+__all__ = ["STATS", "Timer", "WallTimer", "combine", "device_name", "measure_network", "steady_allocator"]
 
 #: ``timer(module, input_shapes) -> milliseconds``: how one module is timed. Injectable so that
 #: tests check the table's bookkeeping without depending on this machine's speed.
@@ -48,6 +48,40 @@ def _threads(threads: int | None) -> Iterator[None]:
 STATS: dict[str, Callable[[list[float]], float]] = {"median": statistics.median, "min": min}
 
 
+#: glibc's mallopt parameters (malloc.h): the size above which a block is mmap'ed (and
+#: unmapped on free), and the free heap top above which memory is given back to the system.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_steady: str | None = None
+
+
+def steady_allocator() -> str:
+    """Keep freed CPU memory in the process while timing (glibc: blocks up to 32 MiB from the
+    heap, the heap never trimmed); returns what was done, for the record.
+
+    Why: with glibc's defaults every activation above the (adaptive) mmap threshold is mapped
+    on allocation and unmapped on free, so each forward pays fresh page faults, whose cost
+    swings with the host's memory state (tens of percent on a VM, from one half-minute to the
+    next, even as the minimum of many runs); a long-running inference server reuses its memory
+    instead. Process-wide and once: it only changes where freed memory waits. Not glibc (or
+    not Linux): nothing is changed, and the string says so.
+    """
+    global _steady
+    if _steady is None:
+        _steady = "system default (not glibc)"
+        try:
+            import ctypes
+            import ctypes.util
+
+            name = ctypes.util.find_library("c")
+            libc = ctypes.CDLL(name) if name else None
+            if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version"):
+                if libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30):
+                    _steady = "glibc: mmap threshold 32 MiB, no trimming (freed memory reused)"
+        except OSError:
+            pass
+    return _steady
+
+
 class WallTimer:
     """The real timer: median wall time of ``repeats`` batch-1 forwards after ``warmup`` ones.
 
@@ -55,6 +89,7 @@ class WallTimer:
     core) only ever add time. ``stat="min"`` goes further (timeit's advice): the fastest run
     estimates the uncontended cost, consistently for pieces and whole networks, when other
     processes load the machine. Eval mode and ``no_grad``: latency is an inference property.
+    On the CPU, memory is kept steady first (:func:`steady_allocator`).
     """
 
     def __init__(
@@ -73,6 +108,8 @@ class WallTimer:
             raise UsageError(f"stat must be one of {sorted(STATS)}, got {stat!r}")
         self.repeats, self.warmup, self.threads, self.stat = repeats, warmup, threads, stat
         self.device = torch.device(device)
+        #: how CPU memory was managed while timing (see :func:`steady_allocator`)
+        self.allocator = steady_allocator() if self.device.type == "cpu" else "device allocator"
 
     def __call__(self, module: nn.Module, input_shapes: Sequence[tuple[int, ...]]) -> float:
         """Time ``module`` on random inputs of ``input_shapes``; milliseconds."""
