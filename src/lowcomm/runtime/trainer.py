@@ -76,16 +76,13 @@ class Trainer:
         self.steps_per_epoch = len(self.train_batches)
         self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
         self.ctx = MethodContext(
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
+            rank=self.dist.rank, world_size=self.dist.world_size,
             local_rank=self.dist.local_rank,
             device=self.dist.device,
             seed=cfg.seed,
             bucket_cap_mb=cfg.bucket_cap_mb,
             codec_momentum=float(moved.get("momentum", 0.0)),
-            steps_per_epoch=self.steps_per_epoch,
-            total_steps=self.total_steps,
-            batch_size=cfg.batch_size,
+            steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps, batch_size=cfg.batch_size,
         )
         self.epochs = math.ceil(self.total_steps / self.steps_per_epoch)
         self.warmup_steps = (

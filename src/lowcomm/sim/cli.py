@@ -289,6 +289,11 @@ def run_advise(args: argparse.Namespace) -> int:
     print(f"  caveat: {caveat(best.method)}")
     for w in best.warnings:
         print(f"  warning: {w}")
+    if adv.fc is not None:
+        print(f"  fully-connected layers: {adv.fc['advice']}")
+    for p in adv.semi_synchronous:
+        print(f"  synchronizing less often: {p.method} is predicted {adv.speedup(p):.2f}x vs ssgd "
+              f"({p.iter_time_s * 1e3:.2f} ms/iter averaged over its period; it changes the updates)")
     print("  the simulator predicts speed only; check accuracy on your task.")
     if args.json:
         Path(args.json).write_text(json.dumps(adv.as_dict(), indent=2) + "\n")
