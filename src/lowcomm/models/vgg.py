@@ -35,8 +35,9 @@ CFG_E: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
                           512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
 
 
-def _conv_indices(cfg: list[int | str]) -> list[int]:
-    """Positions of the convolutions in ``features`` (a pool is one module, a conv block three).
+def _conv_indices(cfg: list[int | str], block: int = 3) -> list[int]:
+    """Positions of the convolutions in ``features`` (a pool is one module, a conv block
+    ``block``: three with batch norm, two without).
 
     Computed from the configuration, not by building the layers: building them at import
     would draw from torch's RNG, so the first model created in a process would get other
@@ -47,11 +48,13 @@ def _conv_indices(cfg: list[int | str]) -> list[int]:
     for v in cfg:
         if v != "M":
             out.append(position)
-        position += 1 if v == "M" else 3
+        position += 1 if v == "M" else block
     return out
 
 
-def _make_features(cfg: list[int | str], in_channels: int) -> tuple[nn.Sequential, list[int]]:
+def _make_features(cfg: list[int | str], in_channels: int,
+                   batch_norm: bool = True) -> tuple[nn.Sequential, list[int]]:
+    """3x3 convolutions (with BN and no bias, or with bias and no BN) and ReLUs, 2x2 max-pools."""
     layers: list[nn.Module] = []
     c = in_channels
     for v in cfg:
@@ -59,10 +62,10 @@ def _make_features(cfg: list[int | str], in_channels: int) -> tuple[nn.Sequentia
             layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
         else:
             assert isinstance(v, int)
-            layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), nn.BatchNorm2d(v),
-                       nn.ReLU(inplace=True)]
+            conv = nn.Conv2d(c, v, 3, padding=1, bias=not batch_norm)
+            layers += [conv, nn.BatchNorm2d(v), nn.ReLU(inplace=True)] if batch_norm else [conv, nn.ReLU(inplace=True)]
             c = v
-    return nn.Sequential(*layers), _conv_indices(cfg)
+    return nn.Sequential(*layers), _conv_indices(cfg, 3 if batch_norm else 2)
 
 
 # Configuration "D" (VGG-16).
@@ -72,7 +75,19 @@ CFG_D: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M",
 VGG19_CONV_INDICES: list[int] = _conv_indices(CFG_E)
 
 
-class VGG(nn.Module):
+class _PooledVGG(nn.Module):
+    """The forward both VGG forms share: features, adaptive pool, flatten, classifier."""
+
+    features: nn.Sequential
+    avgpool: nn.Module
+    classifier: nn.Sequential
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The forward pass (``nn.Module`` calls it)."""
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class VGG(_PooledVGG):
     """VGG with BN for 32x32 inputs; ``forward(x: (B, 3, 32, 32)) -> (B, num_classes)``.
 
     ``avgpool`` (adaptive, to 1x1) is an identity at 32x32 and lets other sizes work.
@@ -99,10 +114,6 @@ class VGG(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """The forward pass (``nn.Module`` calls it)."""
-        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
-
 
 @register_model("vgg19", info=ModelInfo("classification", (3, 32, 32), default_num_classes=10,
                                        description="CIFAR VGG-19-BN, 2x512 FC head (Pufferfish)"))
@@ -118,7 +129,7 @@ def vgg16(*, num_classes: int = 10, in_channels: int = 3, dropout: float = 0.5) 
     return VGG(CFG_D, num_classes=num_classes, in_channels=in_channels, dropout=dropout)
 
 
-class VGGImageNet(nn.Module):
+class VGGImageNet(_PooledVGG):
     """torchvision's VGG-16 layout without BN, for 224x224 inputs (any size >= 32 works: the
     adaptive pool makes the classifier's input 512x7x7).
 
@@ -131,16 +142,7 @@ class VGGImageNet(nn.Module):
     def __init__(self, cfg: list[int | str], *, num_classes: int = 1000, in_channels: int = 3,
                  dropout: float = 0.5) -> None:
         super().__init__()
-        layers: list[nn.Module] = []
-        c = in_channels
-        for v in cfg:
-            if v == "M":
-                layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
-            else:
-                assert isinstance(v, int)
-                layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
-                c = v
-        self.features = nn.Sequential(*layers)
+        self.features, _ = _make_features(cfg, in_channels, batch_norm=False)
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
         self.classifier = nn.Sequential(
             nn.Linear(512 * 7 * 7, 4096), nn.ReLU(inplace=True), nn.Dropout(dropout),
@@ -154,10 +156,6 @@ class VGGImageNet(nn.Module):
                 nn.init.normal_(m.weight, 0, 0.01)
             if isinstance(m, (nn.Conv2d, nn.Linear)) and m.bias is not None:
                 nn.init.zeros_(m.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """The forward pass (``nn.Module`` calls it)."""
-        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
 
 
 @register_model("vgg16_imagenet", info=ModelInfo("classification", (3, 224, 224), default_num_classes=1000,

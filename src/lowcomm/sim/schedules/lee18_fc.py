@@ -112,36 +112,15 @@ class _ModelParallelSim:
         shape = linear_shape(s.profile.layers[i]) if i in self._mp else None
         deps = [self._pending]
         self._pending = None
-        if shape is None:
-            task = s.tl.add(
-                f"bwd.{i}",
-                "compute",
-                s.profile.layers[i].backward_s,
-                kind="backward",
-                iteration=it,
-                after=deps,
+        if shape is not None:  # the errors of this rank's neurons arrive first
+            deps = [s.collective(f"fc.a2a_bwd.{i}", "reduce_scatter", self._rows_bytes(shape[1]), it,
+                                 after=[*deps, self._last])]
+        task = s.tl.add(f"bwd.{i}", "compute", s.profile.layers[i].backward_s, kind="backward",
+                        iteration=it, after=deps)
+        if shape is not None and self._needs_input_grad[i]:
+            self._pending = s.collective(
+                f"fc.rs.{i}", "reduce_scatter", s.p * self._rows_bytes(shape[0]), it, after=[task]
             )
-        else:
-            in_f, out_f, _ = shape
-            a2a = s.collective(
-                f"fc.a2a_bwd.{i}",
-                "reduce_scatter",
-                self._rows_bytes(out_f),
-                it,
-                after=[*deps, self._last],
-            )
-            task = s.tl.add(
-                f"bwd.{i}",
-                "compute",
-                s.profile.layers[i].backward_s,
-                kind="backward",
-                iteration=it,
-                after=[a2a],
-            )
-            if self._needs_input_grad[i]:
-                self._pending = s.collective(
-                    f"fc.rs.{i}", "reduce_scatter", s.p * self._rows_bytes(in_f), it, after=[task]
-                )
         self._last = task
         return task
 
