@@ -162,8 +162,8 @@ def score_function(args: argparse.Namespace, scorer: SubnetScorer) -> tuple[Any,
     return predictor, {"kind": "predictor", "samples": len(configs), "holdout_rank_correlation": held}
 
 
-def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float, args: argparse.Namespace,
-            shape: tuple[int, ...]) -> dict[str, Any]:
+def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float,
+            args: argparse.Namespace) -> dict[str, Any]:
     row: dict[str, Any] = {"config": config, "score": valid_score, "predicted_ms": table.predict(config),
                            "test": scorer.test(config)}
     if args.measure:
@@ -191,13 +191,13 @@ def search_budgets(args: argparse.Namespace, budgets: list[float]) -> dict[str, 
                                                      population=args.population, iterations=args.iterations,
                                                      rng=rng)
         found = _answer(scorer, table, best, scorer.score(best) if args.score != "direct" else best_score,
-                        args, shape)
+                        args)
         found["history"] = history
         row: dict[str, Any] = {"budget_ms": budget, "search": found}
         if args.random:
             rbest, rscore, _ = random_search(net.space, scorer.score, table.predict, budget, n=args.random,
                                              rng=random.Random(args.seed + 3))
-            row["random"] = _answer(scorer, table, rbest, rscore, args, shape)
+            row["random"] = _answer(scorer, table, rbest, rscore, args)
             key = "accuracy" if scorer.task == "classification" else "epe"
             better = (found["test"][key] > row["random"]["test"][key] if key == "accuracy"
                       else found["test"][key] < row["random"]["test"][key])

@@ -299,12 +299,6 @@ def plan(
     return chosen
 
 
-def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, leaf, new)
-
-
 def factorize(
     model: nn.Module,
     rank_ratio: float = 0.25,
@@ -360,7 +354,7 @@ def factorize(
         new = live.build(spec, extra_bn=extra_bn)
         if not cand.name:
             return new
-        _set_submodule(model, cand.name, new)
+        model.set_submodule(cand.name, new)
         replaced_attention |= cand.kind == "mha"
     if replaced_attention:
         for mod in model.modules():  # torch's nested-tensor fast path reads packed weights

@@ -96,12 +96,6 @@ def _own_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return out
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
 class ModelParallelFC:
     """Mixin for the ``lee18`` method (see module docstring); put before ``EngineMethod``."""
 
@@ -151,7 +145,7 @@ class ModelParallelFC:
                 mp = ModelParallelLinear(
                     lin, group=pg, world=world, rank=rank, tag=f"{self.name}.fc"
                 )
-                _replace(model, name, mp.to(lin.weight.device))
+                model.set_submodule(name, mp.to(lin.weight.device))
                 if (
                     emu := emulation_of(model)
                 ) is not None:  # --compute emulated: exchanges stay real
