@@ -140,6 +140,10 @@ class Fragment:
                 start += n
 
 
+#: marks a non-leader's pending sync: its result is the leader's broadcast (see :class:`OuterSync`)
+_FROM_LEADER = object()
+
+
 class OuterSync:
     """Runs the syncs of ``fragments`` for one model on this rank.
 
@@ -147,6 +151,13 @@ class OuterSync:
     the pseudo-gradient ``global - local`` is averaged, the outer SGD (Nesterov) steps the
     global copy and the local parameters are merged with it:
     ``local <- alpha * local + (1 - alpha) * global`` (``alpha=0``: replaced).
+
+    Replicas of several GPUs (``inner=``, :mod:`lowcomm.methods.replicas_inner`): ``group`` is
+    the leaders' inter-node group, ``node_group`` the node's intra group and ``leader_rank``
+    its leader's global rank. Only the leader sends (the node's ranks hold the same weights);
+    it broadcasts the averaged result inside the node when the sync is waited for.
+    Buffers are averaged over ``buffer_group`` (default ``group``; the world with ``inner=``:
+    each rank's BatchNorm statistics saw its own batches).
     """
 
     def __init__(
@@ -166,10 +177,17 @@ class OuterSync:
         alpha: float = 0.0,
         compress: tuple[str, Any] | None = None,
         syncs: int | None = None,
+        node_group: dist.ProcessGroup | None = None,
+        leader_rank: int | None = None,
+        buffer_group: Any = "group",
     ) -> None:
         self.name, self.mode, self.device, self.group, self.alpha = name, mode, device, group, alpha
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.node_group, self.leader_rank = node_group, leader_rank
+        self.sends = leader_rank is None or dist.get_rank() == leader_rank
+        self.world = dist.get_world_size(group) if dist.is_initialized() and self.sends else 1
+        rank = dist.get_rank(group) if dist.is_initialized() and self.sends else 0
+        self.buffer_group = group if buffer_group == "group" else buffer_group
+        self.buffer_world = dist.get_world_size(self.buffer_group) if dist.is_initialized() else 1
         params = dict(model.named_parameters())
         self.fragments = [
             Fragment(i, names, [params[n] for n in names], offsets[i])
@@ -187,7 +205,7 @@ class OuterSync:
                 momentum=outer_momentum,
                 nesterov=nesterov and outer_momentum > 0,
             )
-        if compress is not None:
+        if compress is not None and self.sends:
             for f in self.fragments:
                 f.codec = codec_class(compress[0])(compress[1], world=self.world, rank=rank)
                 f.codec.set_run(steps_per_epoch=None, total_steps=syncs)
@@ -202,8 +220,11 @@ class OuterSync:
                 buf = f.global_flat.to(self.device) - f.flat()
             else:
                 buf = f.flat()
-            if f.index == 0 and self.buffers and self.world > 1:
+            if f.index == 0 and self.buffers and self.buffer_world > 1:
                 self._average_buffers()
+            if not self.sends:  # the node's leader syncs; the result comes at wait()
+                f.pending.append([due, buf, _FROM_LEADER, None])
+                return
             codec = f.codec
             if codec is None or not codec.active or self.world == 1:
                 work = (
@@ -228,13 +249,19 @@ class OuterSync:
             _, buf, work, msg = item
             if work is None:
                 continue
-            if msg is None:
+            if work is _FROM_LEADER:
+                pass
+            elif msg is None:
                 work.wait()
                 buf.div_(self.world)
             else:
                 assert f.codec is not None
                 f.codec.decode(msg, work.wait(), buf)  # the mean, written into buf
                 f.codec.end_step()
+            if self.leader_rank is not None:
+                accounting.broadcast(
+                    buf, self.leader_rank, group=self.node_group, tag=f"{self.name}.node"
+                )
             item[2] = item[3] = None
 
     def complete(self, f: Fragment, step: int) -> None:
@@ -263,8 +290,8 @@ class OuterSync:
 
     def _average_buffers(self) -> None:
         flat = torch.cat([b.reshape(-1) for b in self.buffers])
-        accounting.all_reduce(flat, group=self.group, tag=f"{self.name}.buffers")
-        flat.div_(self.world)
+        accounting.all_reduce(flat, group=self.buffer_group, tag=f"{self.name}.buffers")
+        flat.div_(self.buffer_world)
         start = 0
         for b in self.buffers:
             b.copy_(flat[start : start + b.numel()].view_as(b))

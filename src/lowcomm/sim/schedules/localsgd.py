@@ -16,16 +16,25 @@ bytes divided by H: the trainer's ``bytes_sent_per_worker / steps``.
   ``max(0, T_f - tau * t_step)`` of it is exposed, ``T_f`` its collective time and ``t_step``
   the compute of one step.
 
+``inner=SPEC`` (replicas of several GPUs; needs ``--nodes`` and ``--gpus-per-node``): each
+iteration is SPEC's own on a node's G workers over the intra link, then ``1/H`` of the outer
+sync: the nodes' leaders' collectives over the N nodes on the inter link (one flow per node),
+then a broadcast of the result inside the node; bytes per worker are the node's mean (the
+leader sends, the other G-1 ranks receive).
+
 The time model is a steady-state average; the accuracy cost (H local steps) is the caveat.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 from lowcomm.compress.codec import codec_class
+from lowcomm.errors import UsageError
 from lowcomm.methods.outer_sync import check_fragments, contiguous_groups, parse_compress
-from lowcomm.sim.schedules.base import Schedule, Sim
+from lowcomm.methods.replicas_inner import inner_spec
+from lowcomm.sim.schedules.base import MIB, Schedule, Sim
 from lowcomm.sim.schedules.codec import CodecPlan
 from lowcomm.sim.timeline import Task
 
@@ -49,6 +58,13 @@ class LocalSGDSchedule(Schedule):
         compress = parse_compress(str(self.opt("compress", "none")), self.name)
         self.plan = None if compress is None else CodecPlan(compress[0], compress[1])
         self.sync_task: Task | None = None
+        spec = inner_spec(str(self.opt("inner", "none")), self.name)
+        self.inner: Schedule | None = None
+        self.inner_sim: Sim | None = None
+        if spec is not None:
+            from lowcomm.sim.schedules import make_schedule
+
+            self.inner = make_schedule(spec)
 
     def setup(self, sim: Sim) -> None:
         """The fragments (layer groups) and each one's exposed seconds and wire bytes."""
@@ -58,10 +74,17 @@ class LocalSGDSchedule(Schedule):
         layers = sim.profile.layers
         check_fragments(frags, len(layers))
         groups = contiguous_groups([layer.numel for layer in layers], frags)
+        outer, per_worker = self._inner_setup(sim)
         exposed = compute = wire = inter = 0.0
         for g in groups:
             shapes = [tuple(s) for i in g for s in layers[i].param_shapes]
-            seconds, nbytes, inter_b, work = self._sync_cost(sim, shapes)
+            seconds, nbytes, inter_b, work = self._sync_cost(outer, shapes)
+            if outer is not sim:  # the leader broadcasts the result inside its node
+                full = sum(_prod(s) for s in shapes) * sim.bpe
+                assert self.inner_sim is not None
+                seconds += self.inner_sim.net.broadcast(full, self.inner_sim.p)
+                nbytes += sim.net.wire_bytes_of("broadcast", full, self.inner_sim.p)
+            nbytes, inter_b = nbytes * per_worker, inter_b * per_worker
             exposed += max(0.0, seconds - tau * sim.profile.compute_s)
             compute += work
             wire += nbytes
@@ -69,6 +92,39 @@ class LocalSGDSchedule(Schedule):
         self.exposed_s, self.compress_s = exposed / h, compute / h
         self.wire_per_step, self.inter_per_step = wire / h, inter / h
         self.sync_task = None
+
+    def _inner_setup(self, sim: Sim) -> tuple[Sim, float]:
+        """With ``inner=``: the inner schedule set up on one node (G workers, intra link), and
+        the leaders' simulation (N workers, the inter link, one flow per node) with the share
+        of their bytes per worker (1/G); without it, ``(sim, 1)``."""
+        if self.inner is None:
+            return sim, 1.0
+        levels = sim.net.levels(sim.p)
+        if levels is None:
+            raise UsageError(
+                f"{self.name}: inner= needs a two-level topology: give --nodes N "
+                "and --gpus-per-node G >= 2"
+            )
+        nodes, g = levels
+        assert sim.net.intra is not None
+        intra = dataclasses.replace(
+            sim.net,
+            inter=sim.net.intra,
+            algorithm="ring",
+            collective_alpha={},
+            collective_beta_scale={},
+        )
+        self.inner_sim = Sim(
+            self.inner.profile_for(sim.profile),
+            g,
+            intra,
+            bucket_mb=sim.bucket_bytes / MIB,
+            first_bucket_mb=sim.first_bucket_bytes / MIB,
+        )
+        self.inner_sim.tl = sim.tl  # one timeline: the outer sync follows the inner step
+        self.inner.setup(self.inner_sim)
+        leaders = dataclasses.replace(sim.net, intra=None, gpus_per_node=1, algorithm="ring")
+        return Sim(sim.profile, nodes, leaders), 1.0 / g
 
     def _sync_cost(
         self, sim: Sim, shapes: list[tuple[int, ...]]
@@ -91,6 +147,20 @@ class LocalSGDSchedule(Schedule):
 
     def iteration(self, sim: Sim, it: int) -> None:
         """Forward (after the previous sync's exposed part), backward, step, this step's share."""
+        if self.inner is not None and self.inner_sim is not None:
+            self.inner.iteration(self.inner_sim, it)  # the node's synchronous step
+            sync = sim.tl.add(
+                "outer.sync",
+                "comm",
+                self.exposed_s,
+                kind="comm",
+                iteration=it,
+                after=sim.tl.of_iteration(it),
+                wire_bytes=self.wire_per_step,  # type: ignore[arg-type]
+                inter_bytes=self.inter_per_step,
+            )
+            sim.tl.add("outer.wait", "compute", 0.0, kind="comm", iteration=it, after=[sync])
+            return
         for i in range(len(sim.profile.layers)):
             sim.forward_layer(i, it, after=[self.sync_task] if i == 0 else ())
         for i in reversed(range(len(sim.profile.layers))):
