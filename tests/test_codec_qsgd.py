@@ -22,6 +22,7 @@ from lowcomm import methods
 from lowcomm.comm import transport
 from lowcomm.compress.codec import CODECS, Layout, codec_class
 from lowcomm.compress.qsgd import draw_seed
+from lowcomm.compress.qsgdkern import uniforms
 from lowcomm.errors import UsageError
 from tolerance import assert_close_eps, tolerance
 
@@ -44,19 +45,18 @@ class Reference(compress_testlib.Reference):
         return float(self.world + 2)
 
     def quantize(self, x: torch.Tensor, seed: int) -> torch.Tensor:
-        """Decoded QSGD of one tensor ``x``: the paper's formula, bucket by bucket."""
+        """Decoded QSGD of one tensor ``x``: the paper's formula, bucket by bucket, with the
+        documented dithered rounding ``floor(v * s / ||v|| + u)`` (the law of ``sign * xi``)."""
         s, b = float(self.o.levels), self.o.bucket_size
-        u = torch.rand(x.numel(), generator=torch.Generator().manual_seed(seed))
+        u = uniforms(seed, x.numel())
         out = torch.zeros_like(x)
         for start in range(0, x.numel(), b):
             v = x[start : start + b]
             norm = torch.linalg.vector_norm(torch.nn.functional.pad(v, (0, b - v.numel())))
             if float(norm) == 0.0:
                 continue
-            r = v.abs() * (torch.tensor(s) / norm)
-            low = r.floor()
-            xi = torch.clamp(low + (u[start : start + b] < r - low).float(), max=s)
-            out[start : start + b] = torch.sign(v) * xi * norm / s
+            level = torch.clamp(torch.floor(v * (torch.tensor(s) / norm) + u[start : start + b]), -s, s)
+            out[start : start + b] = level * norm / s
         return out
 
     def __call__(self, xs: list[torch.Tensor], names: list[str]) -> torch.Tensor:

@@ -426,7 +426,9 @@ def _masked_velocity(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     codec.set_momentum(MU)
     flat = torch.randn(192)
     codec.accumulate(flat, MATRIX, TRUE)
-    before = codec.velocity.find(MATRIX.names).clone().view(16, 12)
+    # the velocity this step compresses: ``flat`` itself on a first step (zero velocity), and
+    # what ``flat`` holds after accumulate (acpsgd's CPU encode applies the stage itself)
+    before = flat.clone().view(16, 12)
     msg = codec.encode(flat, MATRIX, TRUE)
     if name == "powersgd":
         msg = codec.advance(msg, msg.buf.clone())

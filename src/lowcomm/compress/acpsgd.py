@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +46,40 @@ class ACPSGDCodec(LowRankCodec):
     caveat = ("lossy like Power-SGD: needs error feedback and warm-up steps; alternating P/Q converges "
               "slightly differently, check the rank on your task.")
 
+    def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
+        super().__init__(options, world=world, rank=rank)
+        #: velocity stages deferred into the fused encode, per layout: (buffer, finite flag)
+        self._deferred: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _fusable(self, flat: torch.Tensor, finite: torch.Tensor) -> bool:
+        """Whether :meth:`encode` takes the fused CPU form for this buffer and flag."""
+        return bool(self.options.error_feedback) and flat.is_contiguous() and _cpu_true(finite, flat)
+
+    def accumulate(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> None:
+        """The velocity stage; on a compressed CPU step whose encode will be fused, deferred
+        into that encode (:meth:`_encode_fused`: ``u <- g + m u`` block by block with the
+        rest, instead of two full passes over ``g`` and ``u`` before it).
+
+        Why safe: every transport calls :meth:`encode` on the same buffer right after this
+        on compressed steps (warm-up steps are not deferred), and what the fused encode
+        leaves in the buffer's matrices (the raw gradient, not the velocity) is read by
+        no one before :meth:`decode` overwrites it with the mean."""
+        if self.momentum_factor != 0.0 and self.active and self._fusable(flat, finite):
+            self._deferred[layout.names] = (flat, finite)
+            return
+        super().accumulate(flat, layout, finite)
+
+    def _undefer(self, flat: torch.Tensor, layout: Layout) -> bool:
+        """Whether a velocity stage is deferred for ``flat``; one deferred for another buffer
+        (no transport does that) is applied now, the plain way."""
+        pending = self._deferred.pop(layout.names, None)
+        if pending is None:
+            return False
+        if pending[0].data_ptr() == flat.data_ptr() and pending[0].numel() == flat.numel():
+            return True
+        super().accumulate(pending[0], layout, pending[1])
+        return False
+
     def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
         """Orthogonalize the fixed factor, multiply, and the local residual (a second product)."""
         return Work(orthogonalize=plan.factor_numel(not p), matmul_flops=2 * flops, elementwise=2 * dense)
@@ -59,8 +94,11 @@ class ACPSGDCodec(LowRankCodec):
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *, pad_to: int = 1) -> Message:
         """P-step: ``[uncompressed, M orth(Q_last)]``; Q-step: ``[uncompressed, M^T orth(P_last)]``."""
-        if self.options.error_feedback and _cpu_true(finite, flat) and flat.is_contiguous():
-            return self._encode_fused(flat, layout, finite, pad_to)
+        deferred = self._undefer(flat, layout)
+        if self._fusable(flat, finite):
+            return self._encode_fused(flat, layout, finite, pad_to, deferred)
+        if deferred:  # (the same condition as the deferral: not reached)
+            super().accumulate(flat, layout, finite)
         st = self.inputs(flat, layout, finite)
         if not st.plan.batches:
             return self.message(st, [], name="unc", final=True, pad_to=pad_to)
@@ -77,7 +115,8 @@ class ACPSGDCodec(LowRankCodec):
                     keep_where_(st.mem[j].view(b.n, b.m), finite, torch.addmm(ms[k], left[k], right[k].T, alpha=-1.0))
         return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
 
-    def _encode_fused(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, pad_to: int) -> Message:
+    def _encode_fused(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, pad_to: int,
+                      velocity: bool = False) -> Message:
         """:meth:`encode` on CPU with a finite input and error feedback: one pass per matrix.
 
         Why: a P-step's ``P = M F`` row ``i`` needs only row ``i`` of ``M = g + e`` and its
@@ -88,10 +127,20 @@ class ACPSGDCodec(LowRankCodec):
         the unfused form reads ``M`` three times and writes it twice. ``M`` is formed in the
         memory (``flat`` is left as it came). The same values as :meth:`encode` up to float
         summation order (the factor is a sum over the matrix's other side). A loop over
-        blocks, not elements: three BLAS/vector calls per block."""
+        blocks, not elements: three BLAS/vector calls per block.
+
+        ``velocity``: :meth:`accumulate` was deferred here: the uncompressed tensors get the
+        velocity stage first (they are small), the matrices block by block (``u <- g + m u``,
+        then ``e += u``), so ``g`` and ``u`` are read once instead of three times."""
         plan = self.plan(layout)
         sizes = layout.sizes
         views = flat.split(sizes)
+        mom = self.momentum_factor if velocity else None
+        vel = self.velocity.get(layout.names, sizes, flat) if velocity else None
+        if vel is not None:
+            vviews = vel.split(sizes)
+            for i in plan.uncompressed:  # (a few small tensors: 1-d, or not worth compressing)
+                vviews[i].copy_(views[i].add_(vviews[i], alpha=self.momentum_factor))
         unc = torch.cat([views[i].reshape(-1) for i in plan.uncompressed]) if plan.uncompressed else flat.new_zeros(0)
         csizes = [sizes[i] for i in plan.compressed]
         mem = list(self.store.get([layout.names[i] for i in plan.compressed], csizes, flat).split(csizes)) \
@@ -103,7 +152,8 @@ class ACPSGDCodec(LowRankCodec):
         fixed_table, sent_table = (self.q, self.p) if p else (self.p, self.q)
         st.fixed = [orthogonalize(self.factors(fixed_table, layout, plan, b, not p, flat)) for b in plan.batches]
         st.start = [self.factors(sent_table, layout, plan, b, p, flat) for b in plan.batches]
-        u = self.velocity.find(layout.names) if self.momentum_factor != 0.0 and self.options.momentum_masking else None
+        masking = self.momentum_factor != 0.0 and bool(self.options.momentum_masking)
+        u = vel if vel is not None else self.velocity.find(layout.names) if masking else None
         uviews = u.split(sizes) if u is not None else None
         sent = []
         for b, fixed in zip(plan.batches, st.fixed):
@@ -111,7 +161,8 @@ class ACPSGDCodec(LowRankCodec):
             for k, j in enumerate(b.members):  # (matrices of one shape are not adjacent in flat)
                 i = plan.compressed[j]
                 um = uviews[i].view(b.n, b.m) if uviews is not None else None
-                fused_step(views[i].view(b.n, b.m), mem[j].view(b.n, b.m), fixed[k], out[k], rows=p, velocity=um)
+                fused_step(views[i].view(b.n, b.m), mem[j].view(b.n, b.m), fixed[k], out[k], rows=p, velocity=um,
+                           momentum=mom, mask=masking)
             sent.append(out)
         return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
 

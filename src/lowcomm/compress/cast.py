@@ -8,9 +8,10 @@ mean, so lee18 may reduce-scatter it and DeAR may split it.
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-import math
 from typing import Any, ClassVar
 
 import torch
@@ -18,6 +19,19 @@ import torch
 from lowcomm.compress.base import Compressor, cpu_fast, scratch
 from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
 from lowcomm.compress.feedback import finite_flag, poison_
+
+#: elements per in-cache chunk of the CPU encode
+CHUNK = 1 << 18
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether ``t`` alone references its memory: the storage's use count is ``t``'s own
+    reference plus the one of the temporary storage object asked (any view, message or
+    collective holding it adds one). False when torch does not expose the count."""
+    if _USE_COUNT is None:
+        return False
+    return int(_USE_COUNT(t.untyped_storage()._cdata)) == 2
 
 
 class CastCompressor(Compressor):
@@ -55,6 +69,12 @@ class CastCodec(Codec):
     elementwise = True
     dtype: ClassVar[torch.dtype] = torch.float16
 
+    def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
+        super().__init__(options, world=world, rank=rank)
+        #: CPU message buffers; one is reused once nothing else references its memory
+        self._pool: list[torch.Tensor] = []
+        self._pool_lock = threading.Lock()
+
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
                pad_to: int = 1) -> Message:
         """``flat / P`` in the wire dtype, zero-padded to ``pad_to``, poisoned if not finite.
@@ -64,18 +84,53 @@ class CastCodec(Codec):
         rank's shard only after a reduce-scatter, so the ranks would disagree on skipping."""
         n = flat.numel()
         padded = -(-n // pad_to) * pad_to
+        if cpu_fast(flat) and flat.dtype != self.dtype and flat.is_contiguous():
+            return self._encode_cpu(flat, finite, n, padded)
         buf = torch.empty(padded, dtype=self.dtype, device=flat.device)
         buf[n:].zero_()
         if flat.dtype == self.dtype:
             torch.div(flat, self.world, out=buf[:n])  # divide before the cast: no overflow
         else:
-            # the same values as a division written into the wire dtype (divide in the input's
-            # dtype, round once on the cast), but two vectorized passes: torch's CPU division
-            # with a casting ``out=`` runs an element-by-element loop ~8x slower
-            tmp = scratch("cast.div", n, flat.dtype) if cpu_fast(flat) else None
-            buf[:n].copy_(torch.div(flat, self.world, out=tmp))
+            buf[:n].copy_(torch.div(flat, self.world))
         poison_(buf, finite & finite_flag(buf[:n]))
         return Message(buf, "all_reduce", ctx=flat.dtype, numel=n)
+
+    def _encode_cpu(self, flat: torch.Tensor, finite: torch.Tensor, n: int, padded: int) -> Message:
+        """:meth:`encode` on the CPU: the same values (divide in the input's dtype, round once
+        on the cast), chunk by chunk in cache (torch's CPU division with a casting ``out=``
+        runs an element-by-element loop ~8x slower, and two full-size passes write and read
+        a temporary), into a message buffer of an earlier step that no one holds any more
+        (:meth:`_take`; a fresh 50 MB tensor is fresh pages, ~5x a copy to fault in); the
+        finiteness of the cast values is taken per chunk while it is in cache (its min and max)."""
+        buf = self._take(padded)
+        buf[n:].zero_()
+        tmp = scratch("cast.div", min(n, CHUNK), flat.dtype)
+        chunks = -(-n // CHUNK)
+        lo = scratch("cast.lo", chunks, self.dtype)
+        hi = scratch("cast.hi", chunks, self.dtype)
+        for c in range(chunks):
+            a, b = c * CHUNK, min(n, (c + 1) * CHUNK)
+            part = buf[a:b].copy_(torch.div(flat[a:b], self.world, out=tmp[: b - a]))
+            torch.aminmax(part, out=(lo[c], hi[c]))
+        ok = bool(finite) and (chunks == 0 or bool(torch.isfinite(lo.min()) & torch.isfinite(hi.max())))
+        if not ok:
+            buf.fill_(float("nan"))
+        return Message(buf, "all_reduce", ctx=flat.dtype, numel=n)
+
+    def _take(self, numel: int) -> torch.Tensor:
+        """A CPU buffer of ``numel`` wire-dtype elements: a pooled one whose memory nothing
+        else references (no message, view, received tensor or pending collective of an
+        earlier step holds it: the pool hands out views, each of which counts), else a new
+        one added to the pool. Safe by construction whatever the transport does with a
+        message and for how long; without torch's storage use count, never reused."""
+        with self._pool_lock:
+            for t in self._pool:
+                if t.numel() == numel and _unshared(t):
+                    return t.view(-1)
+            t = torch.empty(numel, dtype=self.dtype)
+            self._pool.append(t)
+            del self._pool[:-8]  # one per bucket in flight, for a few buckets at most
+            return t.view(-1)
 
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """The sum of ``flat / P`` is the mean: cast back (any matching slice works too)."""

@@ -20,6 +20,11 @@ positions. The density of a step follows the sparsity warm-up
 (:meth:`~lowcomm.compress.topk.TopKCodec.density_at`, a pure function of the step), so the
 message sizes agree on every rank.
 
+CPU kernels (:mod:`lowcomm.compress.sparse_kernels`; CUDA keeps the torch forms): the merges
+run on all tensors at once on the ascending index lists, ``g + e`` is formed in a spare
+buffer fused with the selection, and a finite step hands that buffer to the memory by a
+storage swap instead of a copy. Results are the torch forms' bit for bit.
+
 Each exchange is one ``p2p`` :class:`~lowcomm.compress.codec.Message`; the rounds depend on
 each other, so all but the last are non-final and the transport completes them in order
 (identical on every rank) before the next is built by :meth:`GTopKCodec.advance`.
@@ -29,13 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from lowcomm.compress.base import PayloadSpec, pack_payload, unpack_payload
+from lowcomm.compress.base import PayloadSpec, cpu_fast, pack_payload, unpack_payload
 from lowcomm.compress.codec import Aggregation, CodecCost, Layout, Message, Round, Work, register_codec
 from lowcomm.compress.feedback import finite_flag, keep_where_, poison_
 from lowcomm.compress.options import Duration
+from lowcomm.compress.selection import fast_path
+from lowcomm.compress.sparse_kernels import Spares, ascending, merge_sorted_segments, mergeable, sent_mask
 from lowcomm.compress.topk import TopKCodec, TopKOptions, merge_sparse_segments
 
 
@@ -71,6 +80,7 @@ class _Exchange:
     plan: list[tuple[str, int]]
     layout: Layout
     pos: int = 0
+    bounds: np.ndarray | None = None  # buffer offsets of the tensors (the CPU merge's cuts)
 
 
 @dataclass
@@ -99,18 +109,32 @@ class GTopKCodec(TopKCodec):
     aggregation = Aggregation.GATHER
     Options = GTopKOptions
 
+    def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
+        super().__init__(options, world=world, rank=rank)
+        #: second buffer per layout: ``g + e`` is formed there, then becomes the residual (CPU)
+        self.spares = Spares()
+
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
                pad_to: int = 1) -> Message:
         """Local top-k of ``g + e`` per tensor, then the first exchange."""
         self.prepare(layout)
-        # g + e in one pass (not a copy, then an add): the same floats
-        comp = flat + self.memory.get(layout.names, layout.sizes, flat) if self.options.error_feedback else flat.clone()
+        if self.options.error_feedback and cpu_fast(flat):
+            # g + e into this layout's spare, fused with the selection (one pass in cache)
+            mem = self.memory.get(layout.names, layout.sizes, flat)
+            comp = self.spares.get(tuple(layout.names), flat)
+            idx = self.topk.accumulate_select(mem, flat.reshape(-1), layout.sizes, into=comp)
+        else:
+            # g + e in one pass (not a copy, then an add): the same floats; no memory: the
+            # gradient itself (only the selected values are read from it, here)
+            comp = flat + self.memory.get(layout.names, layout.sizes, flat) if self.options.error_feedback \
+                else flat
+            idx = self.topk.select_segments(comp, layout.sizes)
         ks = self.ks(layout.shapes)
-        idx = self.topk.select_segments(comp, layout.sizes)
         vals = poison_(comp[idx], finite)
         k = sum(ks)
+        bounds = np.concatenate([[0], np.cumsum(layout.sizes, dtype=np.int64)])
         state = _Exchange(comp, idx, vals, idx.to(torch.int32), ks, [(vals.dtype, k), (torch.int32, k)],
-                          finite, exchanges(self.rank, self.world), layout)
+                          finite, exchanges(self.rank, self.world), layout, bounds=bounds)
         return self._message(state)
 
     def _message(self, st: _Exchange) -> Message:
@@ -136,7 +160,10 @@ class GTopKCodec(TopKCodec):
         else:
             mine, theirs = (st.vals, st.gidx), (ov, oi)
             pair = [theirs, mine] if kind == "swap" and peer < self.rank else [mine, theirs]
-            st.vals, st.gidx = merge_sparse_segments(pair, st.ks)
+            if st.bounds is not None and mergeable(pair):
+                st.vals, st.gidx = merge_sorted_segments(pair, st.ks, st.bounds)
+            else:
+                st.vals, st.gidx = merge_sparse_segments(pair, st.ks)
         return st
 
     def advance(self, msg: Message, received: torch.Tensor) -> Message:
@@ -146,6 +173,9 @@ class GTopKCodec(TopKCodec):
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` <- global top-k / P; memory keeps what the global selection dropped."""
         st = self._apply(msg, received)
+        if fast_path(st.comp) and fast_path(out) and ascending(st.gidx.numpy()) and ascending(st.idx.numpy()):
+            self._decode_cpu(st, out)
+            return
         gidx = st.gidx.long()
         layout = st.layout
         comp, idx = st.comp, st.idx
@@ -162,6 +192,24 @@ class GTopKCodec(TopKCodec):
         vals = st.vals.to(out.dtype) / self.world
         out.zero_()
         out[gidx] = vals
+
+    def _decode_cpu(self, st: _Exchange, out: torch.Tensor) -> None:
+        """:meth:`decode` on the CPU, the same values: which local values were sent comes from
+        a search of the (ascending) global indices instead of a buffer-sized mask, and a finite
+        result hands ``g + e`` minus the sent values to the memory by swapping storage
+        (:class:`~lowcomm.compress.sparse_kernels.Spares`) instead of copying it."""
+        layout, comp, idx = st.layout, st.comp, st.idx
+        sent = sent_mask(idx, st.gidx)
+        ok = st.finite & finite_flag(st.vals)
+        if self.options.error_feedback:
+            comp.numpy()[idx.numpy().take(np.flatnonzero(sent.numpy()))] = 0
+            if bool(ok):  # a CPU flag: no device sync
+                self.spares.keep(tuple(layout.names), self.memory.get(layout.names, layout.sizes, comp), comp)
+        if self.options.momentum_masking:
+            self.mask_velocity(layout, idx, sent & ok)
+        vals = st.vals.to(out.dtype) / self.world
+        out.zero_()
+        out.numpy()[st.gidx.numpy()] = vals.numpy()  # numpy's fancy assignment: 8x torch's here
 
     def cost(self, shapes: Sequence[Sequence[int]], *, world: int, dtype_bytes: int = 4,
              step: int | None = None) -> CodecCost:

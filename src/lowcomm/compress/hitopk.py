@@ -54,6 +54,9 @@ topk's sparse all-gather (and more than ``ssgd``), so a single node is treated a
 nodes of one worker (``G = 1``): every message but the all-gather of the pairs is ``none``,
 and that one has scope ``world``: topk's exact math and bytes.
 
+CPU, one worker per node (hitopk is topk): selected in encode as topk does; decode scatters
+the pairs straight into the output and hands ``g + e`` to the memory by a storage swap.
+
 NaN policy: a non-finite input poisons one element of every shard before the reduce-scatter,
 so every owner's shard is non-finite, its payload is poisoned and every rank decodes NaN;
 the residual and the velocity mask are updated only where the decoded result is finite,
@@ -71,10 +74,12 @@ import torch
 import torch.nn.functional as F
 
 from lowcomm.comm.topology import Topology
-from lowcomm.compress.base import PayloadSpec, pack_payload, payload_spec, unpack_payload
+from lowcomm.compress.base import PayloadSpec, cpu_fast, pack_payload, payload_spec, unpack_payload
 from lowcomm.compress.codec import Aggregation, CodecCost, Layout, Message, Round, Work, register_codec
 from lowcomm.compress.feedback import finite_flag, keep_where_, poison_
 from lowcomm.compress.options import Duration
+from lowcomm.compress.selection import fast_path
+from lowcomm.compress.sparse_kernels import Spares
 from lowcomm.compress.topk import TopKCodec, TopKOptions, num_selected
 from lowcomm.errors import UsageError
 
@@ -118,6 +123,8 @@ class _Step:
     spec_inter: PayloadSpec | None = None
     spec_intra: PayloadSpec | None = None
     masks: bool = False
+    payload: list[torch.Tensor] | None = None  # one worker per node on the CPU: selected in encode
+    gathered: torch.Tensor | None = None  # ... and the pairs' rows, scattered by decode into ``out``
 
 
 @dataclass
@@ -156,6 +163,8 @@ class HiTopKCodec(TopKCodec):
         super().__init__(options, world=world, rank=rank)
         #: workers per node when there are several nodes; None: one node (then hitopk is topk)
         self.local_size: int | None = _env_local_size(self.world, self.rank)
+        #: second buffer per layout for ``g + e`` (one worker per node, CPU: :meth:`_encode_flat`)
+        self.spares = Spares()
 
     # --- topology -----------------------------------------------------------------------
     def set_topology(self, topology: Topology | None) -> None:
@@ -195,12 +204,31 @@ class HiTopKCodec(TopKCodec):
         """``g + e`` cut into shards; the reduce-scatter inside the node (``none`` for G = 1)."""
         self.prepare(layout)
         parts, nodes = self.levels()
+        if parts == 1 and fast_path(flat) and cpu_fast(finite) and bool(finite):  # a CPU flag: no sync
+            return self._encode_flat(flat.reshape(-1), layout, nodes)
         comp = flat + self.memory.get(layout.names, layout.sizes, flat) if self.options.error_feedback else flat
         rows = to_shards(comp, layout.sizes, parts)
         poison_(rows[:, 0], finite)  # one NaN per shard: every owner sees the poison (NaN policy)
         st = _Step(layout, parts, nodes, chunk_sizes(layout.sizes, parts), masks=self.carries_indices)
         return Message(rows.reshape(-1), "reduce_scatter" if parts > 1 else "none", final=False, name="rs",
                        scope="intra", ctx=st)
+
+    def _encode_flat(self, flat: torch.Tensor, layout: Layout, nodes: int) -> Message:
+        """One worker per node, CPU, finite input: the shard is this worker's ``g + e``, selected
+        here as topk does, fused with the add into the layout's spare (the general path's
+        selection and payload after its ``none`` reduce-scatter)."""
+        st = _Step(layout, 1, nodes, list(layout.sizes), masks=self.carries_indices)
+        if self.options.error_feedback:
+            mem = self.memory.get(layout.names, layout.sizes, flat)
+            comp = self.spares.get(tuple(layout.names), flat)
+            idx = self.topk.accumulate_select(mem, flat, layout.sizes, into=comp)
+        else:
+            comp = flat
+            idx = self.topk.select_segments(comp, layout.sizes)
+        st.shard, st.idx = comp, idx
+        st.payload = [poison_(comp[idx], finite_flag(comp)), idx.to(torch.int32)]
+        st.spec_inter = payload_spec(st.payload)
+        return Message(comp, "none", final=False, name="rs", scope="intra", ctx=st)
 
     def advance(self, msg: Message, received: torch.Tensor) -> Message:
         """After the reduce-scatter: select and all-gather across nodes; after that: the dense
@@ -209,6 +237,9 @@ class HiTopKCodec(TopKCodec):
         if msg.name == "rs":
             return self._select(st, received)
         rows = _rows(msg, received, st.nodes, "inter-node all-gather")
+        if st.payload is not None and cpu_fast(rows):  # one worker per node: decode scatters
+            st.gathered = rows
+            return Message(rows.new_empty(0), "none", final=True, name="intra", scope="intra", ctx=st)
         dtype = st.shard.dtype if st.shard is not None else torch.float32
         vals, idx = [], []
         for row in rows:
@@ -233,12 +264,15 @@ class HiTopKCodec(TopKCodec):
                 f"hitopk: the intra-node reduce-scatter returned {shard.numel()} elements, expected {s} "
                 f"(nodes of {st.parts} workers): the transport's topology disagrees with the codec's; "
                 "pass the same Topology to both (codec.set_topology and transport topology=)")
-        st.shard = shard
-        idx = self.topk.select_segments(shard, st.chunks)
-        vals = poison_(shard[idx], finite_flag(shard))
-        st.idx = idx
-        payload = [vals, idx.to(torch.int32)]
-        st.spec_inter = payload_spec(payload)
+        if st.payload is not None:  # selected in encode (one worker per node, CPU)
+            payload = st.payload
+        else:
+            st.shard = shard
+            idx = self.topk.select_segments(shard, st.chunks)
+            vals = poison_(shard[idx], finite_flag(shard))
+            st.idx = idx
+            payload = [vals, idx.to(torch.int32)]
+            st.spec_inter = payload_spec(payload)
         return Message(pack_payload(payload), "all_gather" if st.nodes > 1 else "none", final=False, name="inter",
                        scope=_inter_scope(st.parts), ctx=st)
 
@@ -246,6 +280,9 @@ class HiTopKCodec(TopKCodec):
         """The mean gradient from the node's dense shards; residual and velocity mask where
         the result is finite (the same on every rank)."""
         st: _Step = msg.ctx
+        if st.gathered is not None:
+            self._decode_flat(st, out)
+            return
         rows = _rows(msg, received, st.parts, "intra-node all-gather")
         parts = [unpack_payload(row, st.spec_intra or []) for row in rows]
         dense = torch.stack([p[0] for p in parts])
@@ -267,6 +304,26 @@ class HiTopKCodec(TopKCodec):
                     sent[g, p[1].long()] = True
                 hit = from_shards(sent, sizes, torch.empty(u.numel(), dtype=torch.bool, device=u.device))
                 u.masked_fill_(hit & ok, 0)
+
+    def _decode_flat(self, st: _Step, out: torch.Tensor) -> None:
+        """:meth:`decode` after :meth:`_encode_flat`, the same values: the pairs scatter-added
+        into ``out`` (:meth:`~lowcomm.compress.topk.TopK.aggregate_into`, bit for bit); a finite
+        result hands ``g + e`` minus the sent values to the memory by a storage swap."""
+        assert st.gathered is not None and st.shard is not None and st.idx is not None
+        pairs = [unpack_payload(row, st.spec_inter or []) for row in st.gathered]
+        n, dtype = st.shard.numel(), st.shard.dtype
+        direct = out.dtype == dtype and out.is_contiguous() and out.numel() == n
+        dense = self.topk.aggregate_into(out.view(-1) if direct else torch.empty(n, dtype=dtype), pairs)
+        if not direct:
+            out.copy_(dense.view(out.shape))
+        if not bool(finite_flag(dense)):  # a CPU flag: the state stays as it was
+            return
+        names = st.layout.names
+        if self.options.error_feedback:
+            st.shard.numpy()[st.idx.numpy()] = 0
+            self.spares.keep(tuple(names), self.memory.get(names, st.layout.sizes, st.shard), st.shard)
+        if st.masks and (u := self.velocity.find(names)) is not None:
+            u.view(-1).numpy()[st.idx.numpy()] = 0
 
     # --- cost -----------------------------------------------------------------------------
     def shard_ks(self, shapes: Sequence[Sequence[int]], parts: int, *, density: float | None = None) -> list[int]:

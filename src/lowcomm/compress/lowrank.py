@@ -55,9 +55,10 @@ from lowcomm.compress.matrices import (
     batched_mm,
     effective_rank,
     factor_seed,
+    mask_,
     matrix_shape,
-    mm_factor,
     orthogonalize,
+    rebuild_,
     seeded_normal,
     should_compress,
     unflatten,
@@ -204,10 +205,14 @@ class LowRankCodec(Codec):
         ``M - left @ right^T / W`` there (``M`` may alias ``out``, hence the order)."""
         sizes = st.layout.sizes  # (a property that recomputes: once, not per tensor)
         views = out.split(sizes)
+        blocked = residual is not None and cpu_fast(out)  # one product per block for both
         for i, (b, a, c) in enumerate(zip(st.plan.batches, left, right)):
             a = a / self.world
             for k, j in enumerate(b.members):
                 target = views[st.plan.compressed[j]].view(b.n, b.m)
+                if residual is not None and blocked:
+                    rebuild_(target, st.mats[i][k], a[k], c[k], residual[j].view(b.n, b.m))
+                    continue
                 if residual is not None:
                     torch.addmm(st.mats[i][k], a[k], c[k].T, alpha=-1.0, out=residual[j].view(b.n, b.m))
                 torch.mm(a[k], c[k].T, out=target)
@@ -238,15 +243,12 @@ class LowRankCodec(Codec):
         if u is None:
             return
         views = u.split(st.layout.sizes)
-        inplace = _cpu_true(ok, u)  # ``u -= sent`` in one gemm, no temporaries
+        inplace = _cpu_true(ok, u)  # ``u -= sent`` block by block in cache, no temporaries
         for b, basis in zip(st.plan.batches, st.fixed):
             for k, j in enumerate(b.members):
                 um, f = views[st.plan.compressed[j]].view(b.n, b.m), basis[k]
                 if inplace:
-                    if right:
-                        um.addmm_(mm_factor(um, f), f.T, alpha=-1.0)
-                    else:
-                        um.addmm_(f, torch.mm(f.T, um), alpha=-1.0)
+                    mask_(um, f, right=right)
                     continue
                 sent = torch.mm(torch.mm(um, f), f.T) if right else torch.mm(f, torch.mm(f.T, um))
                 keep_where_(um, ok, um - sent)

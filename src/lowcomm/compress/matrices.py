@@ -146,37 +146,81 @@ BLOCK = 1 << 18
 
 
 def fused_step(g: torch.Tensor, e: torch.Tensor, f: torch.Tensor, out: torch.Tensor, *, rows: bool,
-               velocity: torch.Tensor | None = None) -> None:
+               velocity: torch.Tensor | None = None, momentum: float | None = None,
+               mask: bool = True) -> None:
     """ACP-SGD's encode of one ``n x m`` matrix, block by block, in place (CPU).
 
     ``e += g``; ``out = e @ f`` (``rows``: a P-step, ``f`` is ``m x r``) or ``e^T @ f`` (a
     Q-step, ``f`` is ``n x r``); ``e -= out @ f^T`` (or ``f @ out^T``); with ``velocity``
-    ``u``, momentum masking ``u -= u f f^T`` (or ``f f^T u``). Row blocks for a P-step,
-    column blocks for a Q-step: each block of the factor, the residual and the masked
-    velocity depends on that block of ``e`` (and ``u``) alone, so each block is read from
-    memory once. The products take the fast CPU form ``f^T @ block`` (see :func:`batched_mm`).
+    ``u``, momentum masking ``u -= u f f^T`` (or ``f f^T u``; not with ``mask=False``). With
+    ``momentum`` ``m`` too,
+    ``g`` is the raw gradient and the velocity stage comes first in each block:
+    ``u <- g + m u`` (the operation of :meth:`~lowcomm.compress.feedback.Velocity.accumulate`),
+    then ``e += u``. Row blocks for a P-step, column blocks for a Q-step: each block of the
+    factor, the residual and the masked velocity depends on that block of ``e`` (and ``u``)
+    alone, so each block is read from memory once. The products take the fast CPU form
+    ``f^T @ block`` (see :func:`batched_mm`).
     """
     n, m = e.shape
     ft = f.T
     if rows:
         step = max(1, BLOCK // m)
-        for a in range(0, n, step):  # over blocks, not elements: 3-5 BLAS/vector calls each
-            eb = e[a : a + step]
-            eb.add_(g[a : a + step])
+        for a in range(0, n, step):  # over blocks, not elements: 3-6 BLAS/vector calls each
+            eb, gb = e[a : a + step], g[a : a + step]
+            ub = velocity[a : a + step] if velocity is not None else None
+            if momentum is not None and ub is not None:
+                gb = torch.add(gb, ub, alpha=momentum, out=ub)
+            eb.add_(gb)
             pt = torch.mm(ft, eb.T)  # (r, rows): the block's rows of P, transposed
             out[a : a + step].copy_(pt.T)
             eb.addmm_(pt.T, ft, alpha=-1.0)
-            if velocity is not None:
-                ub = velocity[a : a + step]
+            if ub is not None and mask:
                 ub.addmm_(torch.mm(ft, ub.T).T, ft, alpha=-1.0)
     else:
         step = max(1, BLOCK // n)
         for a in range(0, m, step):
-            eb = e[:, a : a + step]
-            eb.add_(g[:, a : a + step])
+            eb, gb = e[:, a : a + step], g[:, a : a + step]
+            ub = velocity[:, a : a + step] if velocity is not None else None
+            if momentum is not None and ub is not None:
+                gb = torch.add(gb, ub, alpha=momentum, out=ub)
+            eb.add_(gb)
             qt = torch.mm(ft, eb)  # (r, cols): the block's rows of Q, transposed
             out[a : a + step].copy_(qt.T)
             eb.addmm_(f, qt, alpha=-1.0)
-            if velocity is not None:
-                ub = velocity[:, a : a + step]
+            if ub is not None and mask:
                 ub.addmm_(f, torch.mm(ft, ub), alpha=-1.0)
+
+
+def mask_(u: torch.Tensor, f: torch.Tensor, *, right: bool) -> None:
+    """``u -= u f f^T`` (``right``) or ``u -= f f^T u`` in place, by cache-sized blocks (CPU).
+
+    Why blocks: ``f^T u`` over all of ``u`` and then the update would read ``u`` twice from
+    memory; a column block of ``u`` (left) or a row block (right) determines its own part of
+    the product, so each block is read once and written once while in cache. The same sums
+    as the unblocked form, up to float summation order inside the BLAS."""
+    n, m = u.shape
+    ft = f.T
+    if right:
+        step = max(1, BLOCK // m)
+        for a in range(0, n, step):
+            ub = u[a : a + step]
+            ub.addmm_(torch.mm(ft, ub.T).T, ft, alpha=-1.0)
+    else:
+        step = max(1, BLOCK // n)
+        for a in range(0, m, step):
+            ub = u[:, a : a + step]
+            ub.addmm_(f, torch.mm(ft, ub), alpha=-1.0)
+
+
+def rebuild_(target: torch.Tensor, mat: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+             residual: torch.Tensor) -> None:
+    """``residual <- mat - left right^T`` and ``target <- left right^T`` by row blocks (CPU);
+    ``target`` may alias ``mat``. Why: the product is formed once per block, in cache, and
+    used for both, where a residual ``addmm`` and a separate product compute it twice."""
+    n, m = target.shape
+    rt = right.T
+    step = max(1, BLOCK // m)
+    for a in range(0, n, step):
+        t = torch.mm(left[a : a + step], rt)
+        torch.sub(mat[a : a + step], t, out=residual[a : a + step])
+        target[a : a + step].copy_(t)

@@ -92,15 +92,19 @@ class TopK(Compressor):
             off += size
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def accumulate_select(self, mem: torch.Tensor, flat: torch.Tensor, segments: Sequence[int] | None) -> torch.Tensor:
-        """``mem <- mem + flat`` in place, then :meth:`select_segments` of ``mem``, fused per
-        tensor (:func:`~lowcomm.compress.selection.accumulate_topk`: one pass in cache)."""
+    def accumulate_select(self, mem: torch.Tensor, flat: torch.Tensor, segments: Sequence[int] | None, *,
+                          into: torch.Tensor | None = None) -> torch.Tensor:
+        """``mem <- mem + flat`` in place (``into``: ``into <- mem + flat``, ``mem`` kept), then
+        :meth:`select_segments` of the sum, fused per tensor
+        (:func:`~lowcomm.compress.selection.accumulate_topk`: one pass in cache)."""
         seg = list(segments) if segments else [flat.numel()]
         gen = self.generator if self.fast_select else None
         out, off = [], 0
         for size in seg:
             k = num_selected(size, self.density)
-            out.append(accumulate_topk(mem[off : off + size], flat[off : off + size], k, generator=gen) + off)
+            dst = None if into is None else into[off : off + size]
+            out.append(accumulate_topk(mem[off : off + size], flat[off : off + size], k, generator=gen,
+                                       out=dst) + off)
             off += size
         return torch.cat(out) if len(out) > 1 else out[0]
 
