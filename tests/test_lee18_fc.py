@@ -11,7 +11,7 @@ differently from DDP's per-rank sums plus all-reduce: ops = world * rows per ste
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -79,12 +79,17 @@ def rows_of(ref: nn.Module, eng: nn.Module) -> list[tuple[torch.Tensor, torch.Te
     return out
 
 
-def compare(
-    spec: str, opt_kind: str, steps: int, dtype: torch.dtype, clip: float | None = None
-) -> dict[str, Any]:
+def lockstep(
+    spec: str,
+    base: nn.Module,
+    batch_of: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    opt_kind: str,
+    steps: int,
+    clip: float | None = None,
+) -> tuple[list[float], Any, nn.Module, nn.Module]:
+    """Train copies of ``base`` under DDP and under ``spec`` side by side on the same batches;
+    return the worst row error after every step, the method, DDP's module and ours."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(100 + rank)  # different per rank: rank 0's weights must win everywhere
-    base = vgg_like().to(dtype)
     ref, eng = copy.deepcopy(base), copy.deepcopy(base)
     ddp = nn.parallel.DistributedDataParallel(ref)
     method = methods.create(spec)
@@ -92,7 +97,7 @@ def compare(
     opt_ref, opt_eng = make_optimizer(opt_kind, ref), make_optimizer(opt_kind, eng)
     errs = []
     for step in range(steps):
-        x, y = data(rank, step, dtype)
+        x, y = batch_of(rank, step)
         opt_ref.zero_grad()
         F.cross_entropy(ddp(x), y).backward()
         if clip is not None:
@@ -106,6 +111,18 @@ def compare(
         method.optimizer_step(opt_eng)
         method.flush()
         errs.append(worst(rows_of(ref, eng)))
+    return errs, method, ref, eng
+
+
+def compare(
+    spec: str, opt_kind: str, steps: int, dtype: torch.dtype, clip: float | None = None
+) -> dict[str, Any]:
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank)  # different per rank: rank 0's weights must win everywhere
+    base = vgg_like().to(dtype)
+    errs, method, ref, eng = lockstep(
+        spec, base, lambda r, step: data(r, step, dtype), opt_kind, steps, clip
+    )
     full = eng.state_dict()
     errs.append(worst([(full[k], v) for k, v in ref.state_dict().items()]))
     # evaluation runs locally on the consolidated weights: the same logits as a plain model
@@ -158,26 +175,8 @@ def test_lee18_fc_matches_ddp_every_step_with_sgd_and_adamw(world: int, fc: str)
 def tiny_fc_run(spec: str, opt_kind: str, steps: int) -> float:
     """Worst per-step error of lee18 against DDP on test_sched_correctness's tiny model (the
     model every other schedule's exactness test uses), its FC layers model-parallel."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(100 + rank)
-    base = tiny_model()
-    ref, eng = copy.deepcopy(base), copy.deepcopy(base)
-    ddp = nn.parallel.DistributedDataParallel(ref)
-    method = methods.create(spec)
-    wrapped = method.wrap(eng, MethodContext(rank=rank, world_size=world))
-    opt_ref, opt_eng = make_optimizer(opt_kind, ref), make_optimizer(opt_kind, eng)
-    errs = []
-    for step in range(steps):
-        x, y = batch(rank, step)
-        opt_ref.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt_ref.step()
-        opt_eng.zero_grad()
-        F.cross_entropy(wrapped(x), y).backward()
-        method.finish_sync()
-        method.optimizer_step(opt_eng)
-        method.flush()
-        errs.append(worst(rows_of(ref, eng)))
+    torch.manual_seed(100 + dist.get_rank())
+    errs, method, _, _ = lockstep(spec, tiny_model(), batch, opt_kind, steps)
     assert method.describe()["fc_model_parallel"]  # some layer really is partitioned
     return max(errs)
 

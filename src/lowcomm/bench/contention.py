@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -47,12 +48,15 @@ def measure_contention(workers: int = 4, *, seconds: float = 3.0, payload_mb: fl
                           "command": [sys.executable, "-m", "lowcomm.bench.contention"]}
     kw.update(launch_options(cluster, PORT))
     log = work / (out.stem + ".log")
-    with redirect_fds(log):
-        code = (launcher or launch_workers)(args, workers, **kw)
-    if code != 0 or not out.exists():
-        text = log.read_text(errors="replace")[-300:] if log.exists() else ""
-        raise RuntimeError(f"contention probe failed (exit code {code}): {text.strip()}")
-    res = json.loads(out.read_text())
+    try:
+        with redirect_fds(log):
+            code = (launcher or launch_workers)(args, workers, **kw)
+        if code != 0 or not out.exists():
+            text = log.read_text(errors="replace")[-300:] if log.exists() else ""
+            raise RuntimeError(f"contention probe failed (exit code {code}): {text.strip()}")
+        res = json.loads(out.read_text())
+    finally:  # what the caller needs is returned or in the error
+        shutil.rmtree(work, ignore_errors=True)
     per_op = wire_bytes("all_reduce", elems * 4, workers)
     ks = [fit_contention(alone_iters=int(r["alone_iters"]), alone_s=r["alone_s"],
                          with_iters=int(r["with_iters"]), with_s=r["with_s"],

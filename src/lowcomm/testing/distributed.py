@@ -20,6 +20,7 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import sys
 import tempfile
 import time
@@ -194,14 +195,17 @@ def run_distributed(
             p.kill()
             p.join()
 
-    if all(s == "ok" for s in status):
-        return results
-    report = []
-    for r in range(world_size):
-        s = status[r] or f"timed out after {timeout:.0f}s"
-        with open(logs[r]) as f:
-            out = f.read()[-6000:]
-        report.append(f"--- rank {r}: {s} ---\n{out}")
+    try:
+        if all(s == "ok" for s in status):
+            return results
+        report = []
+        for r in range(world_size):
+            s = status[r] or f"timed out after {timeout:.0f}s"
+            with open(logs[r]) as f:
+                out = f.read()[-6000:]
+            report.append(f"--- rank {r}: {s} ---\n{out}")
+    finally:  # the logs are in the report; a suite of thousands of runs leaves no folders
+        shutil.rmtree(tmp, ignore_errors=True)
     raise DistributedTestFailure(f"distributed run on {world_size} ranks failed\n" + "\n".join(report))
 
 
