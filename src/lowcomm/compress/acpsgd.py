@@ -65,6 +65,7 @@ class ACPSGDCodec(LowRankCodec):
         leaves in the buffer's matrices (the raw gradient, not the velocity) is read by
         no one before :meth:`decode` overwrites it with the mean."""
         if self.momentum_factor != 0.0 and self.active and self._fusable(flat, finite):
+            self.clip_(flat, layout)  # (the clipping is not deferred: it needs whole norms)
             self._deferred[layout.names] = (flat, finite)
             return
         super().accumulate(flat, layout, finite)

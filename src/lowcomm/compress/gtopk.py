@@ -93,7 +93,8 @@ class GTopKOptions(TopKOptions):
     this worker's memory (the paper's rule) without being in the sum. Masking then also
     drops its velocity, the only place the value still lived. Measured on MNIST-1D cnn1d
     (256 channels, 15 epochs, 3 seeds; docs/compression.md): 90.3 % with topk's defaults,
-    91.7 % with ``sparsity_warmup="6ep"``, 92.5 % with it and masking off (``ssgd`` 94.2 %)."""
+    91.7 % with ``sparsity_warmup="6ep"``, 92.5 % with it and masking off (``ssgd`` 94.2 %).
+    Local clipping is topk's (on: 20 epochs, seed 0, 94.8 % against 94.1 % without)."""
 
     momentum_masking: bool = False
     sparsity_warmup: Duration = "6ep"

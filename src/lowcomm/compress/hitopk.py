@@ -35,9 +35,8 @@ reduce-scatter then sums the node's residual into its shard whoever holds it, so
 layout or topology still feeds every unsent value back (the sum over all workers of the
 residuals is kept exactly).
 
-Momentum correction and momentum factor masking (DGC; topk's options, gtopk's defaults,
-see :class:`HiTopKOptions`): each worker's
-velocity is compressed (the reduce-scatter sums the velocities: the node's velocity).
+Momentum correction and momentum factor masking (DGC; topk's options, gtopk's defaults, see
+:class:`HiTopKOptions`): each worker's velocity is compressed (the node's velocity is summed).
 Masking zeroes the velocity, on every worker of the node, where *the node* sent a value;
 only the shard's owner knows those positions, so with ``momentum_masking`` on the final
 intra-node message also carries the owner's int32 indices (``4 * K`` bytes more, intra only).
@@ -139,10 +138,11 @@ class HiTopKOptions(TopKOptions):
     (benchmarks/hitopk_accuracy.py, docs/hierarchical.md): 83.1 % with topk's defaults,
     85.4 % with masking off, 84.6 % with ``sparsity_warmup="6ep"``, 88.5 % with both
     (topk 84.9 %, gtopk 87.0 %, ssgd 91.9 %). Masking off also leaves the owner's indices out
-    of the final intra-node message."""
+    of the final intra-node message. Clipping stays off (not re-measured with it)."""
 
     momentum_masking: bool = False
     sparsity_warmup: Duration = "6ep"
+    clip: float = 0.0
 
 
 @register_codec

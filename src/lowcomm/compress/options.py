@@ -44,6 +44,12 @@ def check_min_rate(rate: float) -> None:
         raise UsageError(f"min_compression_rate must be a finite number > 0, got {rate!r}")
 
 
+def check_clip(clip: float) -> None:
+    """``clip``: DGC's local clipping norm, a finite number >= 0 (0: off)."""
+    if not isinstance(clip, (int, float)) or isinstance(clip, bool) or not math.isfinite(clip) or clip < 0:
+        raise UsageError(f"clip must be a finite number >= 0 (0: no clipping), got {clip!r}")
+
+
 def check_momentum(momentum: float) -> None:
     """``momentum``: in [0, 1) (1 would never forget, and never move)."""
     check_range("momentum", momentum, 0.0, 1.0, high_open=True)
