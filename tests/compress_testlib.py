@@ -24,6 +24,7 @@ from lowcomm.comm import accounting
 from lowcomm.comm.hooks import HOOKS, run_hook
 from lowcomm.compress.codec import CODECS
 from lowcomm.compress.lowrank import factor_seed
+from lowcomm.compress.dgc import clip_segments_, clip_threshold
 from lowcomm.hooks import create, options_for
 from lowcomm.testing.distributed import run_distributed
 from tolerance import tolerance
@@ -563,6 +564,10 @@ def check_against_reference(method: str, options: dict[str, Any], results: list[
     extra = "unused.weight" in results[0]["log"][0]["out"]
     ref = reference_for(method, options, world, extra_unused=extra)
     start = options_for(method, **options).__dict__.get("start_iter", 0)
+    # DGC's local clipping comes first in the codec, on warm-up steps too: the references see
+    # each rank's input clipped per tensor (clip_segments_ is checked against the formula in
+    # test_dgc.py)
+    clip = clip_threshold(float(options_for(method, **options).__dict__.get("clip", 0.0)), world)
     warm = Mean(world, ref.shapes, ref.index)
     max_buckets = 0
     for s in range(len(results[0]["log"])):
@@ -571,6 +576,8 @@ def check_against_reference(method: str, options: dict[str, Any], results: list[
         for b, (names, _) in enumerate(buckets[0]):
             assert all(bk[b][0] == names for bk in buckets), "bucket layouts differ across ranks"
             xs = [bk[b][1] for bk in buckets]
+            if clip > 0:
+                xs = [clip_segments_(x.clone(), ref.sizes(names), clip) for x in xs]
             current = warm if s < start else ref
             expected = current(xs, names)
             tol = tolerance(current.dtype, ops=current.ops(names), cond=current.cond)

@@ -25,7 +25,7 @@ SPECS = [
 ]
 
 
-def train(spec: str, steps: int = 60) -> tuple[float, float]:
+def train(spec: str, steps: int = 100) -> tuple[float, float]:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,5 +1,6 @@
 """Deep Gradient Compression (Lin et al., ICLR 2018) in topk / gtopk: sparsity warm-up,
-momentum factor masking, local gradient clipping, and resumes in the middle of the warm-up.
+momentum factor masking, local gradient clipping (also on the low-rank codecs), and resumes
+in the middle of the warm-up.
 
 The ranks are simulated in one process: each rank has its own codec, and :func:`sync_step`
 follows the transports' contract (``accumulate`` then ``encode``; an all-gather hands every
@@ -30,7 +31,9 @@ EPS = torch.finfo(torch.float32).eps
 
 def make(name: str, world: int, *, momentum: float = 0.0, steps_per_epoch: int | None = 4,
          **opts: Any) -> list[Any]:
-    """One codec per rank, run information given, velocity on when ``momentum > 0``."""
+    """One codec per rank, run information given, velocity on when ``momentum > 0``; local
+    clipping off unless asked for (the tests below compare with unclipped references)."""
+    opts.setdefault("clip", 0.0)
     codecs = [codec_class(name)(options_for(name, **opts), world=world, rank=r) for r in range(world)]
     for c in codecs:
         c.set_run(steps_per_epoch=steps_per_epoch, total_steps=None)
@@ -247,6 +250,44 @@ def test_clipping_bounds_each_workers_contribution_per_tensor(name: str, world: 
     nan[3] = float("nan")
     codecs[0].accumulate(nan, LAYOUT, finite_flag(nan))
     assert not bool(torch.isfinite(nan).all())  # the poison travels on
+
+
+def test_clipping_is_on_by_default_where_it_was_measured() -> None:
+    for name in ("topk", "gtopk", "powersgd", "acpsgd"):
+        assert options_for(name).clip == 1.0, name
+    assert options_for("hitopk").clip == 0.0  # its accuracy benchmark was not re-run with it
+    for bad in (-1.0, float("inf"), True):
+        with pytest.raises(UsageError, match="clip must be a finite number >= 0"):
+            options_for("powersgd", clip=bad)
+
+
+@pytest.mark.parametrize("name, world, momentum, start_iter",
+                         [("powersgd", 2, 0.9, 0), ("acpsgd", 4, 0.9, 0), ("acpsgd", 4, 0.0, 0),
+                          ("acpsgd", 2, 0.9, 5)])
+def test_low_rank_codecs_clip_each_tensor_before_anything_else(name: str, world: int, momentum: float,
+                                                                start_iter: int) -> None:
+    """On every path: ACP-SGD's compressed CPU step defers the velocity into its encode, but
+    not the clipping (it needs whole norms); the dense warm-up clips too."""
+    clip = 1.0
+    thr = clip_threshold(clip, world)
+    codec = make(name, world, momentum=momentum, start_iter=start_iter, clip=clip)[0]
+    flat = grads(world, 0, scale=10.0)[0]
+    small = slice(LAYOUT.sizes[0], LAYOUT.sizes[0] + LAYOUT.sizes[1])
+    flat[small] *= 1e-4  # p1: below the bound, left as it is
+    orig = flat.clone()
+    codec.accumulate(flat, LAYOUT, finite_flag(flat))
+    if name == "acpsgd" and momentum and not start_iter:  # deferred: the buffer holds g, clipped
+        assert codec._deferred
+    else:  # the velocity stage ran: with zero velocity so far, u = g, clipped
+        assert not getattr(codec, "_deferred", None)
+    for j, (seg, before) in enumerate(zip(flat.split(LAYOUT.sizes), orig.split(LAYOUT.sizes))):
+        if float(before.norm()) <= thr:
+            assert torch.equal(seg, before), j
+        else:
+            assert float(seg.norm()) == pytest.approx(thr, rel=4 * EPS * LAYOUT.sizes[j]), j
+    cost = codec.cost(list(SHAPES), world=world)
+    assert cost.encode.elementwise > make(name, world, momentum=momentum, start_iter=start_iter)[0].cost(
+        list(SHAPES), world=world).encode.elementwise  # the clipping's two passes are priced
 
 
 # --- NaN policy ----------------------------------------------------------------------------------

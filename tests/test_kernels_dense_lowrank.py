@@ -85,7 +85,7 @@ def test_acpsgd_with_the_velocity_fused_into_its_encode_matches_the_device_path(
 def test_acpsgd_warm_up_accumulate_is_never_deferred() -> None:
     """On a warm-up step the transport averages the buffer right after accumulate: it must
     hold the velocity then."""
-    codec = codec_class("acpsgd")(codec_class("acpsgd").Options(rank=2, start_iter=5), world=2)
+    codec = codec_class("acpsgd")(codec_class("acpsgd").Options(rank=2, start_iter=5, clip=0.0), world=2)
     codec.set_momentum(0.9)
     flat = torch.randn(LAYOUT.numel, generator=_gen(20))
     g = flat.clone()

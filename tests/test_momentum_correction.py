@@ -248,8 +248,9 @@ def test_nesterov_with_momentum_correction_is_refused_with_the_fix() -> None:
     assert cfg.nesterov and cfg.momentum == TrainConfig().momentum and lines == []
 
 
-@pytest.mark.parametrize("spec, local", [("topk", True), ("powersgd", False)])
+@pytest.mark.parametrize("spec, local", [("topk", True), ("powersgd", True), ("signsgd", False)])
 def test_clip_grad_with_momentum_correction_is_refused_with_the_fix(spec: str, local: bool) -> None:
+    """The fix names the codec's own local clipping where it has one."""
     with pytest.raises(UsageError, match="--clip-grad.*momentum_correction=false") as err:
         _apply(f"wfbp:compress={spec}", clip_grad=1.0, explicit=["clip_grad"])
     assert ("clip=NORM" in str(err.value)) == local

@@ -91,11 +91,20 @@ def lowrank_tolerance(ref: Reference, compressed_steps: int) -> float:
     return tolerance(torch.float32, ops=max(1, compressed_steps) * math.sqrt(QR_ROWS * RANK), cond=max(1.0, ref.cond))
 
 
-def central(kind: str, local: list[list[dict[str, torch.Tensor]]], names: list[str], *, start: int, rank: int, seed: int = 0) -> Reference:
+def central(kind: str, local: list[list[dict[str, torch.Tensor]]], names: list[str], *, start: int, rank: int, seed: int = 0,
+            clip: float = 1.0) -> Reference:
     """Averaged gradient per step from ``local[r][t][name]`` (every rank's own gradient),
-    computed in float64 from the float32 gradients and the same float32 seeded factors."""
+    computed in float64 from the float32 gradients and the same float32 seeded factors. Each
+    gradient is first clipped to the norm ``clip / sqrt(world)`` (DGC's local clipping, the
+    codecs' default ``clip=1.0``; on warm-up steps too)."""
     f64 = torch.float64
     world, steps = len(local), len(local[0])
+    bound = clip / math.sqrt(world)
+
+    def clipped(g: torch.Tensor) -> torch.Tensor:
+        norm = float(g.norm())
+        return g * min(1.0, bound / (norm + 1e-6)) if clip > 0 else g
+
     index = {n: i for i, n in enumerate(names)}
     mem: list[dict[str, torch.Tensor]] = [{} for _ in range(world)]
     P: dict[str, torch.Tensor] = {}
@@ -115,7 +124,7 @@ def central(kind: str, local: list[list[dict[str, torch.Tensor]]], names: list[s
     for t in range(steps):
         avg = {}
         for name in names:
-            gs = [local[r][t][name].to(f64) for r in range(world)]
+            gs = [clipped(local[r][t][name].to(f64)) for r in range(world)]
             shape = gs[0].shape
             if t < start or not should_compress(shape, rank, 2.0):
                 avg[name] = sum(gs) / world

@@ -54,8 +54,9 @@ def test_nocomm_and_one_worker_are_pure_compute() -> None:
 def test_powersgd_one_layer_is_two_dependent_all_reduces_plus_compression() -> None:
     p, r, m, n = 4, 4, 1024, 1024
     prof = one_layer()
-    # momentum correction off: the velocity's passes are priced separately (test_momentum_correction)
-    pred = predict_iteration_time(prof, f"powersgd:rank={r},momentum_correction=false", workers=p, network=NET)
+    # momentum correction and local clipping off: the velocity's passes are priced separately
+    # (test_momentum_correction), the clipping's by test_dgc
+    pred = predict_iteration_time(prof, f"powersgd:rank={r},momentum_correction=false,clip=0", workers=p, network=NET)
     ar = lambda nbytes: 2 * (p - 1) * A + 2 * (p - 1) / p * nbytes * B  # noqa: E731
     mm = 2 * m * n * r * 1e-11
     enc = m * n * 1e-9 + mm

@@ -91,8 +91,8 @@ class LowRankOptions:
     (Deep Gradient Compression's local clipping, as on topk: each worker clips every gradient
     tensor to the norm ``clip / sqrt(workers)`` before accumulating it; 0: off). Default 1.0:
     on MNIST-1D cnn1d (256 channels, 20 epochs, seeds 0-2) it ended Power-SGD 0.5-1.6 points
-    higher (94.9 / 95.5 / 94.8 % against 94.4 / 94.5 / 93.2 %) and ACP-SGD 0.4-1.0 higher, and
-    removed ACP-SGD's collapse after compression starts (seed 0: 51.6 % without; docs/compression.md)."""
+    higher (94.9 / 95.5 / 94.8 % against 94.4 / 94.5 / 93.2 %) and ACP-SGD 0.4-1.0 higher
+    (its dip after compression starts stays: 10-17 points; docs/compression.md)."""
 
     rank: int = 4
     start_iter: Duration = "10%"
