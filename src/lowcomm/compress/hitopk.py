@@ -36,7 +36,7 @@ layout or topology still feeds every unsent value back (the sum over all workers
 residuals is kept exactly).
 
 Momentum correction and momentum factor masking (DGC; topk's options, gtopk's defaults, see
-:class:`HiTopKOptions`): each worker's velocity is compressed (the node's velocity is summed).
+:class:`HiTopKOptions`): each worker's velocity is compressed (the reduce-scatter sums them).
 Masking zeroes the velocity, on every worker of the node, where *the node* sent a value;
 only the shard's owner knows those positions, so with ``momentum_masking`` on the final
 intra-node message also carries the owner's int32 indices (``4 * K`` bytes more, intra only).
