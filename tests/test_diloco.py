@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lowcomm.compress.codec import CODECS
-from lowcomm.runtime import checkpoint
+from diloco_testlib import resume_matches
 from lowcomm.testing import distributed, run_distributed
 from test_localsgd import WORLD, assert_matches, make_model, rank_run, reference
 from tolerance import assert_close_eps
@@ -134,35 +133,6 @@ def test_every_compressor_carries_the_pseudo_gradient_and_ranks_agree_after_a_sy
         assert {"diloco.P", "diloco.Q"} <= set(runs[1]["by_tag"])
 
 
-def _train(
-    ckpt: str, method: str, stop_after_steps: int | None = None, resume: bool = False
-) -> None:
-    """One in-process run of the trainer on this rank (as ``lowcomm train`` runs it)."""
-    from lowcomm.runtime.config import TrainConfig
-    from lowcomm.runtime.trainer import Trainer
-
-    cfg = TrainConfig(
-        model="mlp",
-        data="mnist1d",
-        method=method,
-        nproc=WORLD,
-        batch_size=128,
-        lr=0.05,
-        epochs=1,
-        eval=False,
-        progress=False,
-        threads=1,
-        checkpoint_dir=ckpt,
-        stop_after_steps=stop_after_steps,
-        resume=resume,
-    )
-    trainer = Trainer(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-
-
 @distributed(world_size=WORLD, timeout=240)
 def test_resume_mid_period_with_a_sync_in_flight_matches_the_uninterrupted_run(
     tmp_path: Path,
@@ -171,22 +141,9 @@ def test_resume_mid_period_with_a_sync_in_flight_matches_the_uninterrupted_run(
     # step 10 is mid-period with fragment 1's sync (started at step 10) not yet merged, and
     # the top-k error feedback of both fragments is state too
     method = "streaming_diloco:sync_every=4,fragments=2,delay=1,compress=(topk:density=0.2)"
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    rank = dist.get_rank()
-    _train(straight, method)
-    _train(resumed, method, stop_after_steps=10)
-    mid = checkpoint.load_rank(resumed, 10, rank)["method"]
-    assert mid["step"] == 10 and mid["sync"]["pending"][1]  # the in-flight fragment was saved
+    mid = resume_matches(tmp_path, method, 10, nproc=WORLD, batch_size=128)
+    assert mid["sync"]["pending"][1]  # the in-flight fragment was saved
     assert mid["sync"]["codecs"][0]  # the codec's state (error feedback) too
-    _train(resumed, method, resume=True)
-    last = checkpoint.latest(straight)["step"]
-    a = checkpoint.load_rank(straight, last, rank)["method"]
-    b = checkpoint.load_rank(resumed, last, rank)["method"]
-    for k in a["local"]:
-        assert torch.equal(a["local"][k], b["local"][k]), (rank, k)
-    for ga, gb in zip(a["sync"]["global"], b["sync"]["global"]):
-        assert torch.equal(ga, gb)
-
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -20,13 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from diloco_testlib import resume_matches
 from lowcomm import methods
 from lowcomm.comm import accounting
 from lowcomm.comm.topology import Topology
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import MethodContext
 from lowcomm.methods.outer_sync import split_fragments
-from lowcomm.runtime import checkpoint
 from lowcomm.testing import distributed, run_distributed
 from test_localsgd import batch, make_model, make_optimizer
 from tolerance import assert_close_eps
@@ -231,61 +231,10 @@ def test_inner_on_one_node_is_refused_with_the_fix() -> None:
         assert "needs >= 2 nodes" in msg and "--gpus-per-node" in msg and "LOCAL_WORLD_SIZE" in msg
 
 
-def _train(
-    ckpt: str, method: str, stop_after_steps: int | None = None, resume: bool = False
-) -> None:
-    """One in-process run of the trainer on this rank (as ``lowcomm train`` runs it)."""
-    from lowcomm.runtime.config import TrainConfig
-    from lowcomm.runtime.trainer import Trainer
-
-    cfg = TrainConfig(
-        model="mlp",
-        data="mnist1d",
-        method=method,
-        nproc=WORLD,
-        gpus_per_node=G,
-        batch_size=64,
-        lr=0.05,
-        epochs=1,
-        eval=False,
-        progress=False,
-        threads=1,
-        checkpoint_dir=ckpt,
-        stop_after_steps=stop_after_steps,
-        resume=resume,
-    )
-    trainer = Trainer(cfg)
-    try:
-        trainer.run()
-    finally:
-        trainer.close()
-
-
-def _resume_matches(tmp_path: Path, method: str, stop: int) -> dict[str, Any]:
-    """Train straight and stopped at ``stop`` then resumed; the two end alike bit for bit on
-    this rank. Returns the checkpoint's method state at ``stop``."""
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
-    rank = dist.get_rank()
-    _train(straight, method)
-    _train(resumed, method, stop_after_steps=stop)
-    mid = checkpoint.load_rank(resumed, stop, rank)["method"]
-    assert mid["step"] == stop
-    _train(resumed, method, resume=True)
-    latest = checkpoint.latest(straight)
-    assert latest is not None and latest["step"] > stop
-    a = checkpoint.load_rank(straight, latest["step"], rank)["method"]
-    b = checkpoint.load_rank(resumed, latest["step"], rank)["method"]
-    for k in a["local"]:
-        assert torch.equal(a["local"][k], b["local"][k]), (rank, k)
-    for ga, gb in zip(a["sync"]["global"], b["sync"]["global"]):
-        assert torch.equal(ga, gb)
-    return dict(mid)
-
-
 @distributed(world_size=WORLD, timeout=240)
 def test_resume_mid_period_matches_the_uninterrupted_run_bit_for_bit(tmp_path: Path) -> None:
     # H = 4, checkpoint at step 6: mid-period, after one outer step (momentum is state)
-    _resume_matches(tmp_path, "diloco:sync_every=4,inner=ssgd", 6)
+    resume_matches(tmp_path, "diloco:sync_every=4,inner=ssgd", 6, nproc=WORLD, gpus_per_node=G)
 
 
 @distributed(world_size=WORLD, timeout=240)
@@ -295,7 +244,7 @@ def test_resume_with_a_compressed_fragment_in_flight_matches_bit_for_bit(tmp_pat
     method = (
         "streaming_diloco:sync_every=4,fragments=2,delay=1,inner=ssgd,compress=(topk:density=0.2)"
     )
-    mid = _resume_matches(tmp_path, method, 10)
+    mid = resume_matches(tmp_path, method, 10, nproc=WORLD, gpus_per_node=G)
     assert mid["sync"]["pending"][1]  # the in-flight fragment was saved (its node's mean)
     leader = dist.get_rank() % G == 0
     assert bool(mid["sync"]["codecs"][0]) == leader  # only the leaders run the codec

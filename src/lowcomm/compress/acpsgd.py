@@ -78,7 +78,7 @@ class ACPSGDCodec(LowRankCodec):
             return False
         if pending[0].data_ptr() == flat.data_ptr() and pending[0].numel() == flat.numel():
             return True
-        super().accumulate(pending[0], layout, pending[1])
+        self.add_velocity(pending[0], layout, pending[1])  # (clipped when it was deferred)
         return False
 
     def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
@@ -95,11 +95,9 @@ class ACPSGDCodec(LowRankCodec):
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *, pad_to: int = 1) -> Message:
         """P-step: ``[uncompressed, M orth(Q_last)]``; Q-step: ``[uncompressed, M^T orth(P_last)]``."""
-        deferred = self._undefer(flat, layout)
-        if self._fusable(flat, finite):
+        deferred = self._undefer(flat, layout)  # (only ever for a buffer that is _fusable)
+        if deferred or self._fusable(flat, finite):
             return self._encode_fused(flat, layout, finite, pad_to, deferred)
-        if deferred:  # (the same condition as the deferral: not reached)
-            super().accumulate(flat, layout, finite)
         st = self.inputs(flat, layout, finite)
         if not st.plan.batches:
             return self.message(st, [], name="unc", final=True, pad_to=pad_to)

@@ -309,10 +309,10 @@ class Codec(Velocity, ABC):
 
     def velocity_work(self, shapes: Sequence[Sequence[int]]) -> Work:
         """Encode work of :meth:`accumulate` for a buffer fusing ``shapes`` (add it to
-        :meth:`cost`'s encode work): two elementwise passes when the velocity is on."""
-        if self.momentum_factor == 0.0:
-            return Work()
-        return Work(elementwise=2 * sum(math.prod(s) for s in shapes))
+        :meth:`cost`'s encode work): two elementwise passes for the velocity when it is on,
+        two for the clipping (the norms, then the scaling) when it is on."""
+        passes = (2 if self.momentum_factor != 0.0 else 0) + (2 if self.clip_norm > 0 else 0)
+        return Work(elementwise=passes * sum(math.prod(s) for s in shapes)) if passes else Work()
 
     # --- the payload ----------------------------------------------------------------------
     @abstractmethod

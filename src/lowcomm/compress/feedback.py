@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 import torch
 
 from lowcomm.compress.base import Compressor, cpu_fast
+from lowcomm.compress.dgc import clip_segments_, clip_threshold
 from lowcomm.compress.options import check_momentum
 from lowcomm.errors import UsageError
 
@@ -205,6 +206,7 @@ class Velocity:
 
     options: Any
     name: ClassVar[str]
+    world: int
 
     def __init__(self) -> None:
         #: ``m`` of the velocity ``u <- m*u + g``; 0.0: no velocity stage. Set by the trainer or
@@ -220,11 +222,24 @@ class Velocity:
         return bool(getattr(self.options, "momentum_correction", False))
 
     @property
+    def clip_norm(self) -> float:
+        """The ``clip`` option (DGC's local clipping), 0.0 for codecs without the option."""
+        return float(getattr(self.options, "clip", 0.0) or 0.0)
+
+    @property
     def accumulates(self) -> bool:
-        """Whether :meth:`accumulate` does anything this run (velocity on; a codec whose
-        accumulate does more, e.g. clipping, extends it). Transports skip the loss-scale
-        division and the call on dense warm-up steps when it is False."""
-        return self.momentum_factor != 0.0
+        """Whether :meth:`accumulate` does anything this run: a velocity, or clipping (on
+        dense warm-up steps too). Transports skip the loss-scale division and the call when
+        it is False."""
+        return self.momentum_factor != 0.0 or self.clip_norm > 0
+
+    def clip_(self, flat: torch.Tensor, layout: Layout) -> None:
+        """DGC's local gradient clipping (option ``clip``): each tensor of ``flat`` scaled in
+        place to the norm ``clip / sqrt(world)`` at most, before it is accumulated (Lin et
+        al. 2018, sec. 3.2); no-op when the option is 0 or absent."""
+        clip = self.clip_norm
+        if clip > 0:
+            clip_segments_(flat, layout.sizes, clip_threshold(clip, self.world))
 
     def set_momentum(self, m: float) -> None:
         """The optimizer's momentum ``m`` moved into the codec (trainer, engine, hooks API).
@@ -239,13 +254,18 @@ class Velocity:
         self.momentum_factor = float(m)
 
     def accumulate(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> None:
-        """In place: ``flat <- u = m*u + flat`` (``u`` kept per name; a non-finite input
-        leaves ``u`` unchanged, branch-free, and ``flat`` non-finite); no-op when
-        :attr:`momentum_factor` is 0.
+        """In place: the clipping (:meth:`clip_`), then ``flat <- u = m*u + flat`` (``u``
+        kept per name; a non-finite input leaves ``u`` unchanged, branch-free, and ``flat``
+        non-finite); no-op when neither is on.
 
         Called by every transport (DDP hook, engine) on EVERY step, warm-up included, on
         UNSCALED gradients (AMP: divide by the loss scale first, multiply back after the
         mean), before :meth:`encode` / before the warm-up mean. Two elementwise passes."""
+        self.clip_(flat, layout)
+        self.add_velocity(flat, layout, finite)
+
+    def add_velocity(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> None:
+        """The velocity stage alone (:meth:`accumulate` without the clipping)."""
         m = self.momentum_factor
         if m == 0.0:
             return

@@ -344,8 +344,6 @@ class HiTopKCodec(TopKCodec):
         n, s = sum(sizes), sum(chunk_sizes(sizes, parts))
         k = sum(self.shard_ks(shapes, parts, density=d))
         encode = Work(elementwise=2 * n) + self.velocity_work(shapes)  # g + e, cut into shards
-        if self.options.clip > 0:
-            encode = encode + Work(elementwise=2 * n)
         rounds: list[Round] = []
 
         def then(work: Work) -> None:  # compute after the last round so far (or in encode)

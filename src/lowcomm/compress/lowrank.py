@@ -63,7 +63,6 @@ from lowcomm.compress.matrices import (
     should_compress,
     unflatten,
 )
-from lowcomm.compress.dgc import clip_segments_, clip_threshold
 from lowcomm.compress.options import Duration, check_clip, check_min_rate, check_rank, check_start
 from lowcomm.compress.selection import cpu_fast
 
@@ -148,21 +147,6 @@ class LowRankCodec(Codec):
         self.p: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
         self._plans: dict[tuple[str, ...], Plan] = {}
-
-    @property
-    def accumulates(self) -> bool:
-        """:meth:`accumulate` does something: a velocity, or clipping (dense steps too)."""
-        return self.momentum_factor != 0.0 or self.options.clip > 0
-
-    def clip_(self, flat: torch.Tensor, layout: Layout) -> None:
-        """DGC's local clipping (option ``clip``): each tensor of ``flat`` in place."""
-        if self.options.clip > 0:
-            clip_segments_(flat, layout.sizes, clip_threshold(self.options.clip, self.world))
-
-    def accumulate(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> None:
-        """Local clipping, then the velocity stage of :meth:`~lowcomm.compress.codec.Codec.accumulate`."""
-        self.clip_(flat, layout)
-        super().accumulate(flat, layout, finite)
 
     def plan(self, layout: Layout) -> Plan:
         """The (cached) plan of a buffer layout."""
@@ -282,9 +266,7 @@ class LowRankCodec(Codec):
         on, and the clipping's), of each :meth:`advance` and of :meth:`decode`."""
         plan = Plan.of(shapes, self.options.rank, self.options.min_compression_rate)
         unc = plan.unc_numel(shapes)
-        velocity = self.velocity_work(shapes)
-        if self.options.clip > 0:  # clip_: the norms, then the scaling
-            velocity = velocity + Work(elementwise=2 * sum(math.prod(s) for s in shapes))
+        velocity = self.velocity_work(shapes)  # (and the clipping's)
         if not plan.batches:
             return CodecCost(velocity, [Round("all_reduce", unc * dtype_bytes)])
         dense, flops = sum(math.prod(s) for s in shapes) - unc, plan.flops()

@@ -34,7 +34,7 @@ import torch
 
 from lowcomm.compress.base import Compressor
 from lowcomm.compress.codec import CodecCost, Layout, Message, Round, Work, register_codec, unpack
-from lowcomm.compress.dgc import clip_segments_, clip_threshold, density_at
+from lowcomm.compress.dgc import density_at
 from lowcomm.compress.feedback import Direct, ErrorFeedback, ParamStore, finite_flag, keep_where_
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_clip, check_density, check_start, parse_duration
@@ -313,18 +313,6 @@ class TopKCodec(PayloadCodec):
         """Density of the current step."""
         return self.density_at(self.step)
 
-    @property
-    def accumulates(self) -> bool:
-        """:meth:`accumulate` does something: a velocity, or clipping (dense steps too)."""
-        return self.momentum_factor != 0.0 or self.options.clip > 0
-
-    def accumulate(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> None:
-        """DGC's local clipping (option ``clip``, per tensor, before accumulation), then the
-        velocity stage of :meth:`~lowcomm.compress.codec.Codec.accumulate`."""
-        if self.options.clip > 0:
-            clip_segments_(flat, layout.sizes, clip_threshold(self.options.clip, self.world))
-        super().accumulate(flat, layout, finite)
-
     def sent(self, layout: Layout, payload: Sequence[torch.Tensor], finite: torch.Tensor) -> None:
         """Momentum factor masking: the velocity is zeroed at the sent indices."""
         if self.options.momentum_masking:
@@ -352,13 +340,10 @@ class TopKCodec(PayloadCodec):
         return sum(self.ks(shapes, density=density)) * (dtype_bytes + 4)
 
     def work(self, shapes: Sequence[Sequence[int]], *, density: float | None = None) -> tuple[Work, Work]:
-        """Select over every element (plus the residual's add and subtraction, and the
-        clipping when on); scatter-add each payload's k values."""
+        """Select over every element (plus the residual's add and subtraction; the clipping is
+        :meth:`velocity_work`'s); scatter-add each payload's k values."""
         n = sum(math.prod(s) for s in shapes)
-        encode = Work(elementwise=2 * n, topk=n)
-        if self.options.clip > 0:
-            encode = encode + Work(elementwise=2 * n)  # norm, then scale
-        return encode, Work(scatter=sum(self.ks(shapes, density=density)))
+        return Work(elementwise=2 * n, topk=n), Work(scatter=sum(self.ks(shapes, density=density)))
 
     def decode_once(self, shapes: Sequence[Sequence[int]]) -> Work:
         """Zero-fill and divide the dense output once."""
