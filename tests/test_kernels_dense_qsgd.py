@@ -94,3 +94,36 @@ def test_plan_merges_consecutive_whole_buckets_into_one_run() -> None:
     assert plan.buckets == 8 and plan.tail_bucket.tolist() == [3, 7]
     assert int(plan.counts.sum()) == 1024 + 512 + 100 + 1536 + 3
     assert math.prod(plan.tail_src.shape) == 103
+
+
+@pytest.mark.parametrize("seg, bs, chunk", [([1000, 3000], 2**28, None), ([1000, 200], 64, 10**6)])
+def test_scratch_is_sized_by_the_data_not_by_the_bucket_or_chunk_size(
+        seg: list[int], bs: int, chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One norm per tensor (a bucket far larger than the buffer), or chunks longer than any
+    tensor, must not ask for bucket- or chunk-sized work buffers: the encode's and the
+    aggregate's scratch stay within the data, and the levels and the mean are still the
+    documented ones."""
+    from lowcomm.compress import base
+
+    if chunk is not None:
+        monkeypatch.setattr(qsgdkern, "CHUNK", chunk)
+    monkeypatch.setattr(base._SCRATCH, "pool", {}, raising=False)
+    monkeypatch.setenv("LOWCOMM_CPU_FAST", "1")
+    x = torch.randn(sum(seg), generator=torch.Generator().manual_seed(3))
+    q = Quantizer(levels=5, bucket_size=bs)
+    q.seeds = [7, 8]
+    payload, ctx = q.compress(x, seg)
+    assert torch.equal(payload[0], _reference_levels(x, seg, [7, 8], 5, bs))
+    mean = q.aggregate([payload, payload], ctx)
+    # two equal payloads: their decode, up to the order of two float roundings per element
+    eps = torch.finfo(torch.float32).eps
+    torch.testing.assert_close(mean, q.decompress(payload, ctx), rtol=4 * eps, atol=0.0)
+    assert max(t.numel() for t in base._SCRATCH.pool.values()) <= sum(seg)
+
+
+def test_plans_are_kept_for_every_bucket_of_a_large_model() -> None:
+    """A model has one layout per bucket: the cache keeps far more than a few, so no bucket's
+    plan is rebuilt (and re-copied to a GPU) every step."""
+    layouts = [[4096 + i] for i in range(qsgdkern.PLANS_KEPT)]
+    plans = [qsgdkern.plan_of(seg, 512) for seg in layouts]
+    assert all(qsgdkern.plan_of(seg, 512) is p for seg, p in zip(layouts, plans))

@@ -171,3 +171,15 @@ def test_fused_add_and_select_into_another_buffer_leaves_the_memory_untouched(n:
     idx = accumulate_topk(e, g, k, out=into)
     assert torch.equal(e, e_before) and torch.equal(into, e_before + g)
     assert torch.equal(idx, topk_magnitude(e_before + g, k))
+
+
+def test_spares_of_a_rebuilt_layout_are_dropped() -> None:
+    """After DDP regroups parameters into new buckets, the old layouts' spares (each a
+    gradient-sized buffer) are released; unrelated layouts keep theirs."""
+    spares = Spares()
+    like = torch.zeros(6)
+    spares.get(("a", "b"), like)
+    keep = spares.get(("c",), torch.zeros(2))
+    spares.get(("b", "a"), like)  # the same parameters in a new layout
+    assert set(spares._bufs) == {("b", "a"), ("c",)}
+    assert spares.get(("c",), torch.zeros(2)) is keep

@@ -118,13 +118,24 @@ class Plan:
     tail_of: torch.Tensor
     counts: torch.Tensor
     _on: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
+    _pinned: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def on(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The index tensors on ``device`` (copied once per layout and device, not per step)."""
+        """The index tensors on ``device`` (copied once per layout and device, not per step).
+
+        To a CUDA device from pinned memory with ``non_blocking``: a pageable host-to-device
+        copy would synchronize the stream inside the hook; the pinned sources stay referenced
+        here until the plan goes, so the asynchronous copy cannot read freed memory."""
         hit = self._on.get(device)
         if hit is None:
             names = ("tail_src", "tail_dst", "tail_bucket", "tail_of", "counts")
-            hit = self._on[device] = {k: getattr(self, k).to(device) for k in names}
+            if device.type == "cuda":
+                if not self._pinned:
+                    self._pinned = {k: getattr(self, k).pin_memory() for k in names}
+                hit = {k: t.to(device, non_blocking=True) for k, t in self._pinned.items()}
+            else:
+                hit = {k: getattr(self, k).to(device) for k in names}
+            self._on[device] = hit
         return hit
 
     @classmethod
@@ -163,10 +174,14 @@ class Plan:
 
 _PLANS: OrderedDict[tuple[tuple[int, ...], int], Plan] = OrderedDict()
 _PLANS_LOCK = threading.Lock()
+PLANS_KEPT = 256  # layouts (one per bucket: see plan_of)
 
 
 def plan_of(seg: Sequence[int], bucket_size: int) -> Plan:
-    """The cached :class:`Plan` (the last few layouts; decodes may run on several threads)."""
+    """The cached :class:`Plan` (the last :data:`PLANS_KEPT` layouts; decodes may run on
+    several threads). Many, because a model has one layout per bucket and a cache smaller
+    than that would rebuild (and, on a GPU, re-copy) every bucket's plan every step; a plan
+    holds index tensors for the partial buckets only."""
     key = (tuple(seg), bucket_size)
     with _PLANS_LOCK:
         hit = _PLANS.get(key)
@@ -176,7 +191,7 @@ def plan_of(seg: Sequence[int], bucket_size: int) -> Plan:
     plan = Plan.of(seg, bucket_size)
     with _PLANS_LOCK:
         _PLANS[key] = plan
-        while len(_PLANS) > 8:
+        while len(_PLANS) > PLANS_KEPT:
             _PLANS.popitem(last=False)
     return plan
 
@@ -230,6 +245,9 @@ def quantize_cpu(x: torch.Tensor, plan: Plan, seeds: Sequence[int], s: float, ou
     tpos = 0
     step = max(1, CHUNK // bs) * bs
     step += (-step) % (4 * bs) if step % 4 else 0  # whole PCG64 outputs per chunk
+    longest = max(((n // bs) * bs for _, n, _ in plan.tensors), default=0)
+    if longest <= step:  # every tensor is one chunk, its last (no alignment needed): no larger scratch
+        step = max(1, longest)
     u = scratch("qsgd.u", step, torch.float32)
     y = scratch("qsgd.y", step, torch.float32)
     for (off, n, b0), seed in zip(plan.tensors, seeds):
@@ -279,9 +297,9 @@ def mean_cpu(payloads: Sequence[Sequence[torch.Tensor]], plan: Plan, s: float, o
     product added, then the division by P), chunk by chunk so ``out`` stays in cache."""
     bs, world = plan.bucket_size, len(payloads)
     steps = [norms / s for _, norms in payloads]
-    tmp = scratch("qsgd.dec", max(1, CHUNK // bs) * bs, torch.float32)
+    per = min(max(1, CHUNK // bs), max((nb for _, _, nb in plan.runs), default=0))  # no larger than the longest run
+    tmp = scratch("qsgd.dec", per * bs, torch.float32)
     for e0, b0, nb_run in plan.runs:
-        per = max(1, CHUNK // bs)
         for c in range(0, nb_run, per):
             nb = min(per, nb_run - c)
             a, z = e0 + c * bs, e0 + (c + nb) * bs

@@ -120,8 +120,18 @@ class Spares:
         """The spare of this layout (allocated on first use), shaped and typed as ``like``."""
         buf = self._bufs.get(key)
         if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype or buf.device != like.device:
+            self.forget_overlapping(key)
             buf = self._bufs[key] = torch.empty_like(like, memory_format=torch.contiguous_format)
         return buf
+
+    def forget_overlapping(self, key: tuple[str, ...]) -> None:
+        """Drop the spares of other layouts sharing a name with ``key``: after DDP rebuilds
+        its buckets (or the engine regroups) the old layouts never come back, and each spare
+        is a gradient-sized buffer (as :class:`~lowcomm.compress.feedback.ParamStore` drops
+        their flats)."""
+        names = set(key)
+        for other in [k for k in self._bufs if k != key and names.intersection(k)]:
+            del self._bufs[other]
 
     def hand_over(self, key: tuple[str, ...], mem: torch.Tensor, new: torch.Tensor) -> None:
         """``mem`` takes ``new``'s storage (``new`` is this layout's spare, now the residual);
