@@ -127,16 +127,22 @@ def test_real_workers_run_end_to_end_on_the_emulated_network(tmp_path: Path) -> 
     assert not [n for n in netns.list_namespaces() if n.startswith(f"lcb{os.getpid()}")]
 
 
-def test_timing_runs_start_compressing_after_warmup_unless_told_otherwise(tmp_path: Path) -> None:
+def test_timing_runs_time_the_steady_state_unless_told_otherwise(tmp_path: Path) -> None:
     cfg = config(tmp_path, ["ssgd"], warmup=3)
     assert runner.timing_spec("powersgd:rank=2", cfg) == "powersgd:rank=2,start_iter=3"
-    assert runner.timing_spec("topk", cfg) == "topk:start_iter=3"
-    assert runner.timing_spec("topk:start_iter=7", cfg) == "topk:start_iter=7"
+    # the sparse codecs at their final density from the first timed step (no sparsity warm-up)
+    assert runner.timing_spec("topk", cfg) == "topk:start_iter=3,sparsity_warmup=0"
+    assert runner.timing_spec("gtopk:density=0.1", cfg) == "gtopk:density=0.1,start_iter=3,sparsity_warmup=0"
+    assert runner.timing_spec("topk:start_iter=7", cfg) == "topk:start_iter=7,sparsity_warmup=0"
+    assert runner.timing_spec("topk:sparsity_warmup=2,start_iter=7", cfg) == "topk:sparsity_warmup=2,start_iter=7"
+    codec = methods.create(runner.timing_spec("topk", cfg)).options
+    assert codec.sparsity_warmup == 0 and codec.start_iter == 3
     assert runner.timing_spec("ssgd", cfg) == "ssgd"
     assert runner.timing_spec("powersgd", config(tmp_path, ["ssgd"], epochs=1)) == "powersgd"
     # engine schedules: start_iter belongs to the chosen compressor, if it has one
     assert runner.timing_spec("wfbp", cfg) == "wfbp"
     assert runner.timing_spec("wfbp:compress=powersgd,rank=2", cfg) == "wfbp:compress=powersgd,rank=2,start_iter=3"
+    assert runner.timing_spec("wfbp:compress=topk", cfg) == "wfbp:compress=topk,start_iter=3,sparsity_warmup=0"
     for spec in ("dear", "dear:compress=fp16", "lee18", "pufferfish"):
         methods.create(runner.timing_spec(spec, cfg))  # what the workers will parse is valid
 
