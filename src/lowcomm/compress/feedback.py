@@ -260,7 +260,8 @@ class Velocity:
 
         Called by every transport (DDP hook, engine) on EVERY step, warm-up included, on
         UNSCALED gradients (AMP: divide by the loss scale first, multiply back after the
-        mean), before :meth:`encode` / before the warm-up mean. Two elementwise passes."""
+        mean), before :meth:`encode` / before the warm-up mean. Two elementwise passes per stage
+        that is on (:meth:`~lowcomm.compress.codec.Codec.velocity_work` prices them)."""
         self.clip_(flat, layout)
         self.add_velocity(flat, layout, finite)
 
