@@ -219,14 +219,15 @@ def save(path: Path, doc: dict[str, Any]) -> None:
 
 
 def plan(doc: dict[str, Any], workloads: Iterable[str], lengths: Iterable[int], seeds: Iterable[int],
-         names: Iterable[str]) -> list[tuple[str, int, str, int]]:
-    """The runs still missing (or failed), seed-major so a cut-short matrix has every method."""
+         names: Iterable[str], rerun: bool = False) -> list[tuple[str, int, str, int]]:
+    """The runs still missing (or failed), seed-major so a cut-short matrix has every method;
+    every selected one with ``rerun`` (to measure them again at the current commit)."""
     todo = []
     for seed in seeds:
         for wl in workloads:
             for e in lengths:
                 for m in names:
-                    if doc["runs"].get(run_key(wl, e, m, seed), {}).get("status") != "ok":
+                    if rerun or doc["runs"].get(run_key(wl, e, m, seed), {}).get("status") != "ok":
                         todo.append((wl, e, m, seed))
     return todo
 
@@ -414,12 +415,13 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--table-only", action="store_true", help="only re-render --doc from --out")
+    ap.add_argument("--rerun", action="store_true", help="run the selected runs again even if stored")
     return ap.parse_args(argv)
 
 
 def run_matrix(args: argparse.Namespace, doc: dict[str, Any], names: list[str]) -> None:
     """Run every missing run of the selection, saving after each."""
-    todo = plan(doc, args.workloads, args.epochs, args.seeds, names)
+    todo = plan(doc, args.workloads, args.epochs, args.seeds, names, args.rerun)
     print(f"accuracy: {len(todo)} runs to do", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="lowcomm_accuracy_") as tmp:
         for i, (wl, e, m, s) in enumerate(todo, 1):
