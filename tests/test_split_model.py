@@ -38,10 +38,12 @@ def _through_link(edge: EdgeModel, cloud: CloudModel, ids: torch.Tensor, mask: t
     return logits
 
 
+@pytest.mark.parametrize("split_layer", [2, LAYERS])  # a middle layer; the last (the authors' placement)
 @pytest.mark.parametrize("compress,keep_residual", SPLITS)
-def test_edge_then_cloud_is_the_unsplit_model_forward_and_backward(compress: bool, keep_residual: bool) -> None:
+def test_edge_then_cloud_is_the_unsplit_model_forward_and_backward(compress: bool, keep_residual: bool,
+                                                                   split_layer: int) -> None:
     model = tiny_classifier()
-    kw = dict(split_layer=2, rank=6, keep_residual=keep_residual, compress=compress)
+    kw = dict(split_layer=split_layer, rank=6, keep_residual=keep_residual, compress=compress)
     edge, cloud, whole = SplitModel.edge(model, **kw), SplitModel.cloud(model, **kw), SplitModel.unsplit(model, **kw)
     ids, mask, labels = tiny_batch()
 
@@ -142,9 +144,9 @@ def test_truncated_factorization_is_the_best_rank_r_approximation() -> None:
         assert layer.first.weight.requires_grad and layer.second.weight.requires_grad
 
 
-@pytest.mark.parametrize("split_layer", [0, LAYERS, -1, 1.5, True, "2"])
+@pytest.mark.parametrize("split_layer", [0, LAYERS + 1, -1, 1.5, True, "2"])
 def test_split_layer_out_of_range_is_refused_naming_the_range(split_layer: object) -> None:
-    with pytest.raises(UsageError, match=f"split layer must be an integer from 1 to {LAYERS - 1}"):
+    with pytest.raises(UsageError, match=f"split layer must be an integer from 1 to {LAYERS}"):
         SplitModel.edge(tiny_classifier(), split_layer=split_layer, rank=4)  # type: ignore[arg-type]
 
 

@@ -25,7 +25,8 @@ def add_split_arguments(p: argparse.ArgumentParser) -> None:
     d = SplitConfig()
     p.add_argument("--model", default=d.model, help="minilm (installed package) or a BERT checkpoint folder")
     p.add_argument("--split-layer", type=int, default=d.split_layer,
-                   help="the edge runs layers 1..K (K's FFN output matrix is factorized)")
+                   help="the edge runs layers 1..K, 1 <= K <= N (K's FFN output matrix is factorized; "
+                        "K = N, the last layer, is the authors' placement)")
     p.add_argument("--rank", type=int, default=d.rank, help="rank r of the factorization: r floats per token cross")
     p.add_argument("--data", default=d.data, help="tweets (installed package), sst2, cola, mrpc, qnli, rte (--data-dir)")
     p.add_argument("--data-dir", default=None)
@@ -87,9 +88,9 @@ def _check_model_here(cfg: SplitConfig) -> None:
         raise UsageError(f"--data: unknown text dataset {cfg.data!r}; valid: {', '.join(text_dataset_names())}")
     config = read_config(checkpoint_dir(cfg.model))
     n = config.num_hidden_layers
-    if not 1 <= cfg.split_layer <= n - 1:
-        raise UsageError(f"--split-layer must be from 1 to {n - 1} for {cfg.model!r} ({n} layers: the edge runs "
-                         f"layers 1..K, the cloud at least layer {n}), got {cfg.split_layer}")
+    if not 1 <= cfg.split_layer <= n:
+        raise UsageError(f"--split-layer must be from 1 to {n} for {cfg.model!r} ({n} layers: the edge runs "
+                         f"layers 1..K, the cloud the rest, the pooling and the head), got {cfg.split_layer}")
     if cfg.compress and not cfg.unsplit:
         check_rank(cfg.rank, config.intermediate_size, config.hidden_size, what="--rank")
     if cfg.keep_residual and not cfg.compress:

@@ -13,6 +13,10 @@ it a full-width tensor would have to cross as well, and the rank-r compression w
 nothing. Without compression (``compress=False``, the baseline) the edge runs all of layer K and
 sends its (B, T, H) output; the cloud starts at layer K+1.
 
+``K`` goes from 1 to N. ``K = N`` is the authors' own placement (their SST-2 script splits
+12-layer BERT-base at layer 12): the cloud then runs the last layer's second factor and
+LayerNorm, the pooling and the head, and the link elimination touches only the last layer.
+
 :meth:`SplitModel.unsplit` is the whole model with the same factorization (and residual
 choice): ``cloud(edge(x)) == unsplit(x)`` exactly, which is both the test of the cut and the
 accuracy baseline of "the same model, not split". The two parts' ``state_dict`` keys are the

@@ -59,9 +59,9 @@ def plan(model: nn.Module, *, split_layer: int, rank: int | None, keep_residual:
     n = len(model.encoder.layers)
     if n < 2:
         raise UsageError(f"the model has {n} layer(s); a split needs at least 2 (one per side)")
-    if not isinstance(split_layer, int) or isinstance(split_layer, bool) or not 1 <= split_layer <= n - 1:
-        raise UsageError(f"split layer must be an integer from 1 to {n - 1} (the edge runs layers "
-                         f"1..K, the cloud at least layer N = {n}), got {split_layer!r}")
+    if not isinstance(split_layer, int) or isinstance(split_layer, bool) or not 1 <= split_layer <= n:
+        raise UsageError(f"split layer must be an integer from 1 to {n} (the edge runs layers 1..K, "
+                         f"the cloud the rest, the pooling and the head), got {split_layer!r}")
     cfg = model.encoder.config
     if compress:
         check_rank(rank, cfg.intermediate_size, cfg.hidden_size)
