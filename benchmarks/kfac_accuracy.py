@@ -323,7 +323,7 @@ def render_workload(runs: dict[str, Any], wl: str) -> str:
 def render_tried(runs: dict[str, Any], wl: str) -> str:
     """Every K-FAC setting with runs on ``wl``, one row per (setting, seed); empty without any
     setting other than the chosen one."""
-    arms = [a for a in ARMS if a not in CONTROLS and seed_results(runs, wl, a)]
+    arms = [a for a in ARMS if a not in CONTROLS and not a.endswith(SHORT) and seed_results(runs, wl, a)]
     if arms == ["kfac"] or not arms:
         return ""
     lines = [f"{acc.WORKLOADS[wl].label}:", "",

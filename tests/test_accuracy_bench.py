@@ -133,6 +133,11 @@ def test_plan_skips_ok_runs_and_retries_failed_ones() -> None:
     assert todo == [(WL, 40, "topk", 2)]
 
 
+def test_rerun_plans_ok_runs_again() -> None:
+    todo = acc.plan({"runs": fake_runs()}, [WL], [40], [0], ["ssgd", "topk"], rerun=True)
+    assert todo == [(WL, 40, "ssgd", 0), (WL, 40, "topk", 0)]
+
+
 def test_parse_run_bytes_of_the_last_epoch_and_notices() -> None:
     steps = [{"event": "step", "epoch": 0, "bytes": 100}, {"event": "step", "epoch": 1, "bytes": 10},
              {"event": "step", "epoch": 1, "bytes": 30}, {"event": "eval", "epoch": 2}]

@@ -121,3 +121,42 @@ def test_settings_tried_are_listed_per_seed_beside_the_chosen_one() -> None:
     spec = kb.TRIED[name].removeprefix("kfac:")
     assert f"| `{name}`: `{spec}` | 0 | 4 of 5 | 95.0 | 4.00× | 4.00× |" in text
     assert "| `kfac`: " in text and "### K-FAC settings tried" in kb.render_all({"runs": runs})
+
+
+def _with_short_budget(kfac_short: dict[int, list[float]], sgd_short: dict[int, list[float]]) -> dict[str, Any]:
+    runs = fake_runs()
+    runs |= {kb.run_key(WL, "sgd" + kb.SHORT, s): run(a) for s, a in sgd_short.items()}
+    runs |= {kb.run_key(WL, "kfac" + kb.SHORT, s): run(a) for s, a in kfac_short.items()}
+    return runs
+
+
+def test_the_short_arms_train_for_sixty_percent_of_the_epochs() -> None:
+    assert kb.SHORT_EPOCHS == 9 and kb.epochs_of("kfac" + kb.SHORT) == 9 and kb.epochs_of("kfac") == 15
+    cmd = kb.train_command(kb.acc.WORKLOADS[WL], "kfac" + kb.SHORT, 0, Path("s"), Path("l"))
+    assert cmd[cmd.index("--epochs") + 1] == "9" and cmd[cmd.index("--optimizer") + 1] == kb.KFAC_SPEC
+    assert "--optimizer" not in kb.train_command(kb.acc.WORKLOADS[WL], "sgd" + kb.SHORT, 0, Path("s"), Path("l"))
+
+
+def test_short_budget_passes_only_when_kfacs_short_run_ends_at_sgds_full_accuracy() -> None:
+    # SGD's full runs end at 0.90 / 0.88 / 0.92 (mean 0.90)
+    short_sgd = {s: [0.5, 0.7, 0.85] for s in SGD}
+    good = kb.render_short(_with_short_budget({s: [0.8, 0.9, 0.91] for s in SGD}, short_sgd), WL)
+    assert "K-FAC 3 epochs" not in good  # the doc names the real budget, whatever the fake curves' length
+    assert "reaches SGD's 15-epoch mean final accuracy (+1.00 points): **PASS" in good
+    assert "SGD on the same 9 epochs ends -5.00 points" in good
+    assert row_of(good, 1) == ["1", "88.0", "85.0", "91.0", "2"]  # first epoch at that seed's 0.88
+    bad = kb.render_short(_with_short_budget({s: [0.8, 0.85, 0.89] for s in SGD}, short_sgd), WL)
+    assert "does not reach SGD's 15-epoch mean final accuracy (-1.00 points): **FAIL" in bad
+    assert row_of(bad, 2)[-1] == "not reached"
+    assert kb.render_short(fake_runs(), WL) == ""  # no short runs: no section
+    partial = _with_short_budget({0: [0.9, 0.9, 0.95]}, {0: [0.5, 0.6, 0.7]})
+    assert "provisional: n=1" in kb.render_short(partial, WL)
+
+
+def test_rerun_plans_every_selected_run_again() -> None:
+    runs = fake_runs()
+    for key in runs:
+        wl, arm, seed = key.split("/")
+        runs[key]["command"] = kb.shown_command(kb.train_command(kb.acc.WORKLOADS[wl], arm, int(seed), Path("s"), Path("l")))
+    assert kb.plan({"runs": runs}, [WL], [0], ["sgd", "kfac"]) == []
+    assert kb.plan({"runs": runs}, [WL], [0], ["sgd", "kfac"], rerun=True) == [(WL, "sgd", 0), (WL, "kfac", 0)]
