@@ -42,21 +42,7 @@ def test_signum_with_default_cli_settings_gets_no_sgd_momentum_and_rescaled_lr()
     group = opt.param_groups[0]
     assert group["momentum"] == 0.0
     assert group["lr"] == pytest.approx(default.lr * (1 + default.momentum))  # same stability limit
-    # heavy-ball's decay per step, lr * wd / (1 - mu), at lr * (1 + mu) without momentum
-    assert group["weight_decay"] == pytest.approx(default.weight_decay / (1 - default.momentum ** 2))
     assert len(lines) == 1 and "--momentum 0.9 -> 0" in lines[0] and "inside its hook" in lines[0]
-    assert "--weight-decay 0.0005 -> 0.00263158" in lines[0]
-
-
-def test_signum_keeps_a_typed_weight_decay_with_a_warning() -> None:
-    opt, lines = _optimizer(_cli_config("--method", "signum", "--weight-decay", "0.001"))
-    assert opt.param_groups[0]["weight_decay"] == 0.001 and opt.param_groups[0]["momentum"] == 0.0
-    assert any(line.startswith("warning:") and "--weight-decay 0.001" in line for line in lines)
-
-
-def test_signum_without_weight_decay_asks_for_none() -> None:
-    opt, _ = _optimizer(_cli_config("--method", "signum", "--weight-decay", "0"))
-    assert opt.param_groups[0]["weight_decay"] == 0.0
 
 
 def test_signum_refuses_an_explicit_sgd_momentum_with_the_fix() -> None:

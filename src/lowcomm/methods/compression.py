@@ -133,12 +133,7 @@ def codec_optimizer_overrides(name: str, codec_options: Any, cfg: Any, *,
     stability limit (curvature below ``2 (1 + mu) / lr``) as the heavy-ball SGD it
     replaces, so it is as safe on any model. Keeping the full effective step
     ``lr / (1 - mu)`` gives up that margin: it was best on the 8 k-parameter cnn1d and
-    lost 10 points on the 256-channel one, so it is left to the user (``--lr``). The weight
-    decay becomes ``wd / (1 - mu^2)``, for the same reason: heavy-ball SGD decays the weights
-    by ``lr * wd / (1 - mu)`` per step once its momentum is full, SGD without momentum at
-    ``lr * (1 + mu)`` by ``lr * (1 + mu) * wd``; without the rescale Signum's decay was
-    ``1 / (1 - mu^2)`` = 5.3x weaker than ``ssgd``'s (measured, docs/compression.md: 95.15
-    against 94.65 % at 40 epochs on MNIST-1D channels=256, ``ssgd`` 95.65 %).
+    lost 10 points on the 256-channel one, so it is left to the user (``--lr``).
     Error-feedback codecs with ``momentum_correction`` on take SGD's momentum into the codec
     (:func:`momentum_overrides`), unless ``carried`` is False (no codec will run: one
     process without a process group has no hook, so the momentum stays in the optimizer).
@@ -156,10 +151,6 @@ def codec_optimizer_overrides(name: str, codec_options: Any, cfg: Any, *,
                           f"lr * (1 + {mu:g}) keeps SGD's stability margin without momentum; up to "
                           f"lr / (1 - {mu:g}) = {cfg.lr / (1.0 - mu):.3g} keeps its full step where stable",
                           requires=("momentum",)),
-        *([OptimizerOverride("weight_decay", float(f"{cfg.weight_decay / (1.0 - mu * mu):.12g}"),
-                             f"= wd / (1 - {mu:g}^2): heavy-ball SGD's decay per step, lr * wd / (1 - {mu:g}), "
-                             f"at lr * (1 + {mu:g}) without momentum", requires=("momentum",))]
-          if cfg.weight_decay else []),
     ]
 
 
