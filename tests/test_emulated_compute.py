@@ -27,7 +27,8 @@ from compress_testlib import run_ranks
 from lowcomm.cli import main
 from lowcomm.errors import UsageError
 from lowcomm.runtime.compute_spec import parse_compute
-from lowcomm.runtime.emulated import emulate, restore, scaled
+from lowcomm.runtime import timing
+from lowcomm.runtime.emulated import emulate, emulation_of, restore, scaled
 from lowcomm.sim.profile import LayerProfile, Profile
 from lowcomm.sim.profiler import parameter_layers
 
@@ -86,6 +87,36 @@ def test_forward_pre_hooks_of_the_layers_fire_in_forward_order() -> None:
         module.register_forward_pre_hook(lambda m, a, name=name: seen.append(name))
     model(torch.randn(4, 40))
     assert seen == ["fc1", "fc2", "fc"]
+
+
+def test_compression_reported_as_device_work_pushes_the_remaining_deadlines_back() -> None:
+    """A GPU queues the hooks' compression kernels behind backward's: host-side compression
+    must delay the emulated layers that follow it, not fill their waits."""
+    model = _mlp()
+    emulate(model, _profile(model), torch.randn(1, 40))
+    clock = emulation_of(model).clock
+    clock.start_forward()
+    fwd, bwd = clock.forward_deadline(2), clock.backward_deadline(0)
+    timing.add("comm_wait", 0.25)  # not device work: the deadlines stay
+    assert clock.forward_deadline(2) == fwd and clock.backward_deadline(0) == bwd
+    with timing.measure("compress"):
+        pass
+    timing.add("compress", 0.5)
+    assert clock.forward_deadline(2) - fwd >= 0.5
+    assert clock.backward_deadline(0) - bwd == pytest.approx(clock.forward_deadline(2) - fwd, abs=1e-9)
+    timing.timer().end_step()
+
+
+def test_a_restored_model_no_longer_follows_device_work() -> None:
+    model = _mlp()
+    emulate(model, _profile(model), torch.randn(1, 40))
+    clock = emulation_of(model).clock
+    restore(model)
+    clock.start_forward()
+    before = clock.forward_deadline(0)
+    timing.add("compress", 0.5)
+    assert clock.forward_deadline(0) == before
+    timing.timer().end_step()
 
 
 def test_a_profile_of_another_model_names_the_first_mismatch() -> None:

@@ -63,7 +63,8 @@ class _EmulatedModelParallelFn(torch.autograd.Function):
         clock = emu.clock
         _gather_rows(mp, ctx.n, like)
         end = clock.forward_t0 + clock.forward_end[i]
-        clock._wait(clock.forward_s[i], max(end, time.perf_counter() + clock.forward_s[i]))
+        until = max(end, time.perf_counter() + clock.forward_s[i])
+        clock._wait(clock.forward_s[i], lambda: until)
         _exchange(mp, ctx.n, like, "fwd")
         clock.forward_t0 += max(0.0, time.perf_counter() - end)  # later layers keep their own times
         return act.clone()
@@ -83,7 +84,8 @@ class _EmulatedModelParallelFn(torch.autograd.Function):
             out.copy_(src)
             grads.append(out.detach())
         end = clock.backward_t0 + clock.backward_end[i]
-        clock._wait(clock.backward_s[i], max(end, time.perf_counter() + clock.backward_s[i]))
+        until = max(end, time.perf_counter() + clock.backward_s[i])
+        clock._wait(clock.backward_s[i], lambda: until)
         if ctx.needs_input_grad[0]:
             comm = mp._comm
             partial = like.new_zeros((comm.world * n, mp.in_features))

@@ -19,23 +19,30 @@ the real output's shape, so the loss, the method's hooks and the optimizer step 
 The waits keep a clock per pass: layer ``i`` sleeps until the pass start plus the profile's
 time of layers ``0..i`` (backward: from the last layer down), so the copies of the gradient
 buffers and the Python between layers are taken off the waits rather than added to them, as
-a GPU runs ahead of the host that launches its kernels. Waits sleep (``time.sleep``), which
-releases the GIL and the CPU; on a CUDA device they are ``torch.cuda._sleep`` on the stream.
+a GPU runs ahead of the host that launches its kernels. Work a GPU would queue on the device
+behind those kernels is not taken off: the hooks' compression (reported as device work through
+:func:`lowcomm.runtime.timing.on_device_work`) delays the pass's remaining deadlines by its
+duration, so it follows the emulated compute as on a GPU instead of filling the waits (without
+this, host-side compression hid inside backward's waits and compressed methods ran below their
+lower bound). Waits sleep (``time.sleep``), which releases the GIL and the CPU; on a CUDA device
+they are ``torch.cuda._sleep`` on the stream, where compression kernels queue behind them anyway.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from lowcomm.errors import UsageError
+from lowcomm.runtime import timing
 from lowcomm.sim.profile import LayerProfile, Profile
 from lowcomm.sim.profiler import parameter_layers
 
@@ -94,31 +101,53 @@ class _Clock:
         self.cycles_per_s = _cuda_cycles_per_s(device) if self.cuda else 0.0
         self.forward_t0 = 0.0
         self.backward_t0: float | None = None
+        self._lock = threading.Lock()  # device work is reported from gloo's callback threads too
 
     def start_forward(self) -> None:
-        self.forward_t0 = time.perf_counter()
-        self.backward_t0 = None
+        with self._lock:
+            self.forward_t0 = time.perf_counter()
+            self.backward_t0 = None
 
     def start_backward(self) -> None:
-        if self.backward_t0 is None:
-            self.backward_t0 = time.perf_counter()
+        with self._lock:
+            if self.backward_t0 is None:
+                self.backward_t0 = time.perf_counter()
+
+    def delay(self, seconds: float) -> None:
+        """Device work of ``seconds`` was done on the host: push the current pass's remaining
+        deadlines back by it (a CUDA stream serializes such kernels by itself: no-op there)."""
+        if self.cuda or seconds <= 0:
+            return
+        with self._lock:
+            self.forward_t0 += seconds
+            if self.backward_t0 is not None:
+                self.backward_t0 += seconds
+
+    def forward_deadline(self, i: int) -> float:
+        """When layer ``i``'s forward ends (host clock)."""
+        with self._lock:
+            return self.forward_t0 + self.forward_end[i]
+
+    def backward_deadline(self, i: int) -> float:
+        """When layer ``i``'s gradient is ready (host clock); starts the backward clock."""
+        self.start_backward()
+        with self._lock:
+            assert self.backward_t0 is not None
+            return self.backward_t0 + self.backward_end[i]
 
     def wait_forward(self, i: int) -> None:
-        self._wait(self.forward_s[i], self.forward_t0 + self.forward_end[i])
+        self._wait(self.forward_s[i], lambda: self.forward_deadline(i))
 
     def wait_backward(self, i: int) -> None:
-        self.start_backward()
-        assert self.backward_t0 is not None
-        self._wait(self.backward_s[i], self.backward_t0 + self.backward_end[i])
+        self._wait(self.backward_s[i], lambda: self.backward_deadline(i))
 
-    def _wait(self, seconds: float, deadline: float) -> None:
+    def _wait(self, seconds: float, deadline: Callable[[], float]) -> None:
         if self.cuda:  # on the stream, like the kernels it stands for; no host clock to follow
             cycles = int(seconds * self.cycles_per_s)
             if cycles > 0:
                 torch.cuda._sleep(cycles)
             return
-        delay = deadline - time.perf_counter()
-        if delay > 0:
+        while (delay := deadline() - time.perf_counter()) > 0:  # re-read: device work may push it
             time.sleep(delay)
 
 
@@ -212,6 +241,8 @@ class Emulation:
     clock: _Clock
     in_tail: tuple[int, ...]  # the input's shape past the batch dimension
     out_tail: tuple[int, ...]  # the real model's output shape past the batch, for that input
+    #: unregisters the clock from the device-work reports (set by :func:`emulate`)
+    stop_listening: Callable[[], None] = lambda: None
 
     def output_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         """The shape of the real model's output for input ``x``."""
@@ -279,6 +310,7 @@ def restore(model: nn.Module) -> nn.Module:
         return model
     for module in [*mark.modules, mark.root]:
         module.__dict__.pop("forward", None)
+    mark.stop_listening()
     model.__dict__.pop(_MARK, None)
     return model
 
@@ -309,6 +341,7 @@ def emulate(model: nn.Module, profile: Profile, example: torch.Tensor, *, rank: 
     emu = Emulation(root=model, profile=profile, modules=modules, params=params, grads=grads,
                     grad_out=[[torch.empty_like(g) for g in gs] for gs in grads], device=device,
                     clock=_Clock(profile.layers, device), in_tail=tuple(example.shape[1:]), out_tail=out_tail)
+    emu.stop_listening = timing.on_device_work(emu.clock.delay)
     object.__setattr__(model, _MARK, emu)
     _install(emu)
     return model

@@ -5,6 +5,12 @@ it), ``comm_wait`` (exposed waiting for communication), ``compress`` (encode/dec
 by a compression method) and ``optimizer``. Hooks running inside backward report their work
 with :func:`add`; the trainer subtracts it from the backward wall time so phases don't
 double-count.
+
+Work a GPU would run on the device (``compress``: a method's encode/decode kernels, queued on
+the stream behind backward's) is also reported to the listeners registered with
+:func:`on_device_work`: the emulated-compute clock (:mod:`lowcomm.runtime.emulated`) delays its
+remaining layer deadlines by it, so host-side compression follows the emulated compute instead
+of hiding inside its waits.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 PHASES = ("data", "forward", "backward", "comm_wait", "compress", "optimizer")
+#: phases whose work a GPU runs on the device, in order with the layers' kernels
+DEVICE_PHASES = ("compress",)
 
 
 class StepTimer:
@@ -79,13 +87,35 @@ def timer() -> StepTimer:
     return _TIMER
 
 
+_DEVICE_LISTENERS: list[Callable[[float], None]] = []
+
+
+def on_device_work(listener: Callable[[float], None]) -> Callable[[], None]:
+    """Call ``listener(seconds)`` whenever a hook reports device work (:data:`DEVICE_PHASES`);
+    returns the function that unregisters it."""
+    _DEVICE_LISTENERS.append(listener)
+
+    def remove() -> None:
+        if listener in _DEVICE_LISTENERS:
+            _DEVICE_LISTENERS.remove(listener)
+
+    return remove
+
+
 def add(name: str, seconds: float) -> None:
-    """Credit ``seconds`` to phase ``name`` of the current step (thread-safe)."""
+    """Credit ``seconds`` to phase ``name`` of the current step (thread-safe); device work is
+    also passed to the :func:`on_device_work` listeners."""
     _TIMER.add(name, seconds)
+    if name in DEVICE_PHASES:
+        for listener in list(_DEVICE_LISTENERS):
+            listener(seconds)
 
 
 @contextmanager
 def measure(name: str) -> Iterator[None]:
     """``with timing.measure("compress"): ...`` inside a hook."""
-    with _TIMER.phase(name):
+    start = time.perf_counter()
+    try:
         yield
+    finally:
+        add(name, time.perf_counter() - start)
