@@ -8,8 +8,8 @@ import pytest
 
 from lowcomm.comm.accounting import wire_bytes
 from lowcomm.sim import LayerProfile, NetworkModel, Profile, predict_iteration_time
-from lowcomm.sim.calibrate import (calibrate_compute, fit_collectives, latency_steps, network_from_probe,
-                                   scale_profile)
+from lowcomm.sim.calibrate import (calibrate_compute, core_share, fit_collectives, latency_steps,
+                                   network_from_probe, scale_compression, scale_profile)
 from lowcomm.sim.profile import ComputeCosts
 
 BITS = 100e6  # 100 Mbit/s link
@@ -87,6 +87,28 @@ def test_scale_profile_multiplies_every_compute_time() -> None:
     assert prof.compute_s == pytest.approx(0.11)  # the original is untouched
     with pytest.raises(ValueError):
         scale_profile(prof, 0.0)
+
+
+def test_scale_compression_scales_the_compression_costs_only() -> None:
+    prof = profile()
+    prof.factorized = profile()
+    s = scale_compression(prof, 2.0)
+    assert s.compute_s == pytest.approx(prof.compute_s)  # the layers' waits are emulated: unchanged
+    assert s.costs.topk_s_per_elem == pytest.approx(2 * prof.costs.topk_s_per_elem)
+    assert s.compressors["signsgd"]["encode_s_per_elem"] == pytest.approx(6e-9)
+    assert s.factorized is not None and s.factorized.costs.topk_s_per_elem == pytest.approx(4e-9)
+    assert prof.costs.topk_s_per_elem == pytest.approx(2e-9)
+    net = fitted()
+    plain = predict_iteration_time(prof, "signsgd", workers=P, network=net).breakdown_s["compress"]
+    shared = predict_iteration_time(s, "signsgd", workers=P, network=net).breakdown_s["compress"]
+    assert plain > 0 and shared == pytest.approx(2 * plain)
+
+
+@pytest.mark.parametrize("workers, threads, cpus, share", [(4, 1, 2, 2.0), (2, 1, 2, 1.0), (1, 1, 16, 1.0),
+                                                           (8, 2, 4, 4.0)])
+def test_core_share_is_threads_wanted_over_cores_and_never_below_one(workers: int, threads: int, cpus: int,
+                                                                     share: float) -> None:
+    assert core_share(workers=workers, threads_per_worker=threads, cpus=cpus) == share
 
 
 def test_calibrated_compute_predicts_the_measured_nocomm_time() -> None:

@@ -284,9 +284,14 @@ def run_bench(
                     r.pop("grad_shapes", None)  # used; 100s of shapes per row would bury the JSON
                 if profile is not None:
                     try:
+                        from lowcomm.sim.calibrate import core_share
+
+                        share = core_share(workers=cfg.nproc, threads_per_worker=cfg.threads or 1,
+                                           cpus=os.cpu_count() or 1)  # every worker runs on this machine
                         info["prediction"] = prediction.add_predictions(rows, profile, info, workers=cfg.nproc,
                                                                         nproc_per_node=cfg.nproc_per_node or 1,
-                                                                        contention_s_per_byte=contention)
+                                                                        contention_s_per_byte=contention,
+                                                                        cpu_share=share)
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:  # noqa: BLE001

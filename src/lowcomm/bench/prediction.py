@@ -73,15 +73,19 @@ def network_model(info: dict[str, Any], workers: int, nproc_per_node: int = 1) -
 
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
-                    workers: int, nproc_per_node: int = 1, contention_s_per_byte: float = 0.0) -> dict[str, Any]:
+                    workers: int, nproc_per_node: int = 1, contention_s_per_byte: float = 0.0,
+                    cpu_share: float = 1.0) -> dict[str, Any]:
     """Fill the prediction keys of every ok row in place; return what was used (for the JSON).
 
     ``contention_s_per_byte`` (:func:`lowcomm.bench.contention.measure_contention`): the compute
     seconds gloo's threads take per wire byte when workers share this machine's cores; charged
     to rows with real compute only (emulated compute waits, leaving the cores to gloo).
+    ``cpu_share`` (:func:`lowcomm.sim.calibrate.core_share`): how much slower the workers' real
+    CPU work runs when they run it at once; applied to the compression costs of rows with
+    emulated compute (with real compute the ``nocomm`` calibration already carries it).
     """
     from lowcomm.sim import predict_iteration_time
-    from lowcomm.sim.calibrate import calibrate_compute
+    from lowcomm.sim.calibrate import calibrate_compute, scale_compression
 
     net = network_model(info, workers, nproc_per_node)
     used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None,
@@ -99,6 +103,8 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     else:
         used["note"] = "no nocomm run: compute times are the profile's, not calibrated"
     used["profile_compute_s"] = prof.compute_s
+    used["emulated_compression_share"] = cpu_share
+    prof_emulated = scale_compression(prof, cpu_share) if cpu_share != 1.0 else prof
     for r in rows:
         if r.get("status") != "ok":
             continue
@@ -106,7 +112,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
         try:
             emulated = str(r.get("compute", "real")).startswith("emulated")
             shared = net if emulated or not contention_s_per_byte else net.with_contention(contention_s_per_byte)
-            pred = predict_iteration_time(prof, spec, workers=workers, network=shared)
+            pred = predict_iteration_time(prof_emulated if emulated else prof, spec, workers=workers, network=shared)
         except UsageError as e:
             r["predicted_iter_time_s"] = None
             r["prediction_note"] = str(e)

@@ -136,6 +136,31 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
     return out
 
 
+def scale_compression(profile: Profile, factor: float) -> Profile:
+    """A copy of ``profile`` with only its compression costs (kernel constants and codecs)
+    multiplied by ``factor``; the layers, the optimizer and the factorized model's layers stay.
+
+    Why: in emulated compute the layers are waits, so the ``nocomm`` calibration sees no core
+    sharing, but the compression stays real CPU work that the workers of one machine run at
+    the same moments (they are in lock-step) on fewer cores than workers: each takes about
+    ``workers x threads / cores`` times its one-process time (:func:`core_share`)."""
+    if factor <= 0 or not math.isfinite(factor):
+        raise ValueError(f"scale factor must be a positive number, got {factor}")
+    out = copy.deepcopy(profile)
+    for prof in (out, out.factorized):
+        if prof is None:
+            continue
+        prof.costs = ComputeCosts(**{k: v * factor for k, v in vars(prof.costs).items()})
+        prof.compressors = {name: {k: v * factor for k, v in c.items()} for name, c in prof.compressors.items()}
+    return out
+
+
+def core_share(*, workers: int, threads_per_worker: int, cpus: int) -> float:
+    """How many times slower a worker's CPU work runs when ``workers`` processes of
+    ``threads_per_worker`` threads run it at once on ``cpus`` cores (1 when they fit)."""
+    return max(1.0, workers * max(1, threads_per_worker) / max(1, cpus))
+
+
 def calibrate_compute(profile: Profile, measured_nocomm_s: float, *, workers: int,
                       network: NetworkModel) -> tuple[Profile, float]:
     """Scale ``profile`` so that its predicted ``nocomm`` iteration equals the measured one.
