@@ -6,11 +6,15 @@ pays is what *gloo* delivers on it. This probe starts the same N workers the met
 :mod:`lowcomm.comm.accounting` (so reduce-scatter is the all-to-all + local sum that lowcomm
 uses on gloo) times
 
-* each collective kind with a tiny payload (median of ``--reps``): the latency, and
+* each collective kind with a tiny payload (median of ``--reps``): the latency,
+* all-reduce, reduce-scatter and all-gather with a tiny payload issued ``STREAM`` times back
+  to back before waiting (``stream_s``, per collective): the latency of a collective queued
+  behind another, which the library overlaps in part (a step issues one per layer or bucket), and
 * all-reduce, reduce-scatter and all-gather with a payload sized to ``--wire-bytes`` on the
   wire per worker (median of 3): the effective bandwidth of that kind.
 
-Rank 0 writes ``{"workers", "small_s": {kind: s}, "large": {kind: [payload_bytes, s]}}``;
+Rank 0 writes ``{"workers", "small_s": {kind: s}, "stream_s": {kind: s}, "large": {kind:
+[payload_bytes, s]}}``;
 :func:`lowcomm.sim.calibrate.network_from_probe` fits the simulator's per-kind α/β to it.
 """
 
@@ -33,6 +37,8 @@ from lowcomm.runtime.launch import launch_workers
 PORT = 29600
 #: Target seconds on the wire for one large probe collective at the measured bandwidth.
 LARGE_WIRE_S = 0.3
+#: Tiny collectives issued back to back for the queued latency (``stream_s``).
+STREAM = 16
 
 
 def _time(fn: Callable[[], Any], reps: int, warmup: int) -> float:
@@ -44,6 +50,14 @@ def _time(fn: Callable[[], Any], reps: int, warmup: int) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def _back_to_back(issue: Callable[..., Any]) -> Callable[[], None]:
+    """``STREAM`` collectives issued (``issue(True)``: asynchronously), then all waited for."""
+    def run() -> None:
+        for work in [issue(True) for _ in range(STREAM)]:
+            work.wait()
+    return run
 
 
 def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
@@ -59,19 +73,26 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
     dist.init_process_group("gloo")
     p, rank = dist.get_world_size(), dist.get_rank()
 
-    def ops(elems: int, local: int) -> dict[str, Callable[[], Any]]:
+    def ops(elems: int, local: int) -> dict[str, Callable[..., Any]]:
         full = torch.ones(elems)
         shard = torch.empty(elems // p)
         mine = torch.ones(local)
         gathered = torch.empty(local * p)
         return {
-            "all_reduce": lambda: accounting.all_reduce(full, tag="probe"),
-            "reduce_scatter": lambda: accounting.reduce_scatter_tensor(shard, full, tag="probe"),
-            "all_gather": lambda: accounting.all_gather_into_tensor(gathered, mine, tag="probe"),
-            "broadcast": lambda: accounting.broadcast(full, 0, tag="probe"),
+            "all_reduce": lambda a=False: accounting.all_reduce(full, tag="probe", async_op=a),
+            "reduce_scatter": lambda a=False: accounting.reduce_scatter_tensor(shard, full, tag="probe",
+                                                                               async_op=a),
+            "all_gather": lambda a=False: accounting.all_gather_into_tensor(gathered, mine, tag="probe",
+                                                                            async_op=a),
+            "broadcast": lambda a=False: accounting.broadcast(full, 0, tag="probe", async_op=a),
         }
 
-    small = {k: _time(f, reps, 3) for k, f in ops(4 * p, 4).items()}
+    tiny = ops(4 * p, 4)
+    small = {k: _time(f, reps, 3) for k, f in tiny.items()}
+    # the same tiny collectives issued back to back, as a training step issues them (one per
+    # layer or bucket): the cost of each when it queues behind the one before
+    stream = {k: _time(_back_to_back(tiny[k]), max(3, reps // 3), 1) / STREAM
+              for k in ("all_reduce", "reduce_scatter", "all_gather")}
     large: dict[str, list[float]] = {}
     if wire_bytes > 0 and p > 1:
         # payloads with about ``wire_bytes`` on the wire per worker for each kind
@@ -86,7 +107,7 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps({"workers": p, "threads": threads, "reps": reps,
-                                         "small_s": small, "large": large}) + "\n")
+                                         "small_s": small, "stream_s": stream, "large": large}) + "\n")
     dist.destroy_process_group()
 
 

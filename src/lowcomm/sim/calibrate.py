@@ -113,7 +113,21 @@ def network_from_probe(
     large = {k: (int(v[0]), float(v[1])) for k, v in (collectives.get("large") or {}).items()}
     alpha, scale = fit_collectives(bits_per_s=bits_per_s, workers=workers,
                                    small_s=collectives.get("small_s") or {}, large=large)
-    return net.with_calibration(alpha, scale)
+    net = net.with_calibration(alpha, scale)
+    queued = queued_alpha(collectives.get("stream_s") or {}, alpha, workers=workers)
+    return net.with_queued_alpha(queued) if queued else net
+
+
+def queued_alpha(stream_s: Mapping[str, float], alpha: Mapping[str, float], *, workers: int) -> dict[str, float]:
+    """Per-step α of a collective queued behind another, by kind: the probe's back-to-back time
+    per collective over its latency steps, at most the isolated α (queuing cannot add latency;
+    a larger figure is noise)."""
+    out: dict[str, float] = {}
+    for kind, t in stream_s.items():
+        steps = latency_steps(kind, workers)
+        if steps and t >= 0:
+            out[kind] = min(t / steps, alpha.get(kind, math.inf))
+    return out
 
 
 # -- compute -----------------------------------------------------------------------------

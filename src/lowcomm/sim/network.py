@@ -118,6 +118,9 @@ class NetworkModel:
     collective_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: β multiplier by collective kind (measured seconds per wire byte / link β)
     collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
+    #: per-step latency (s) by kind of a collective issued while the previous one still runs
+    #: (measured back to back: the library overlaps much of it); empty: ``collective_alpha``
+    queued_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: compute seconds a worker loses per wire byte it moves (the collective library's threads
     #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
     #: Measured by :func:`lowcomm.bench.contention.measure_contention`.
@@ -184,6 +187,17 @@ class NetworkModel:
         """A copy with per-collective α and β scale (see module docstring)."""
         return replace(self, collective_alpha=dict(alpha), collective_beta_scale=dict(beta_scale), **kw)
 
+    def with_queued_alpha(self, alpha: Mapping[str, float]) -> NetworkModel:
+        """A copy with the per-step α of collectives that queue behind another (by kind)."""
+        return replace(self, queued_alpha=dict(alpha))
+
+    def queued(self) -> NetworkModel | None:
+        """The model for a collective that waits for the previous one on the link (its α the
+        queued one, by kind), or None when no queued α was measured."""
+        if not self.queued_alpha:
+            return None
+        return replace(self, collective_alpha={**self.collective_alpha, **self.queued_alpha}, queued_alpha={})
+
     @property
     def beta_s_per_byte(self) -> float:
         """Seconds per byte of the inter-node link."""
@@ -201,6 +215,8 @@ class NetworkModel:
             d["collective_alpha_s"] = dict(self.collective_alpha)
         if self.collective_beta_scale:
             d["collective_beta_scale"] = dict(self.collective_beta_scale)
+        if self.queued_alpha:
+            d["queued_alpha_s"] = dict(self.queued_alpha)
         if self.cpu_s_per_wire_byte:
             d["cpu_s_per_wire_byte"] = self.cpu_s_per_wire_byte
         if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):

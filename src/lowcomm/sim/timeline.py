@@ -59,11 +59,18 @@ class Timeline:
         after: Iterable[Task | None] = (),
         wire_bytes: int = 0,
         inter_bytes: float = 0.0,
+        queued_duration: float | None = None,
     ) -> Task:
-        """Append a task: it starts when its stream is free and every ``after`` task has ended."""
+        """Append a task: it starts when its stream is free and every ``after`` task has ended.
+        ``queued_duration``: its duration instead when it had to wait for the stream (its
+        dependencies ended before the stream was free), e.g. a collective queued behind
+        another, whose latency the library overlaps with the one before."""
         if stream not in self._free:
             raise ValueError(f"unknown stream {stream!r}")
-        start = max([self._free[stream], *(t.end for t in after if t is not None)])
+        ready = max([0.0, *(t.end for t in after if t is not None)])
+        start = max(self._free[stream], ready)
+        if queued_duration is not None and self._free[stream] > ready:
+            duration = queued_duration
         task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes)
         self._free[stream] = task.end
         self.tasks.append(task)

@@ -74,6 +74,7 @@ class Sim:
         self.profile = profile
         self.p = workers
         self.net = network
+        self.net_queued = network.queued()  # collectives that wait for the link (None: same α)
         self.tl = Timeline()
         self.bpe = profile.bytes_per_elem
         self.c = profile.costs
@@ -119,30 +120,17 @@ class Sim:
         group (``world``, ``intra``, ``inter``; :meth:`NetworkModel.scoped`). ``algorithm``:
         an all-reduce's algorithm when the method picks it (``flat``, ``hierarchical``,
         ``hybrid``; the ``hier`` method), else the network model's."""
-        p = self.p
         nbytes = payload if timed_bytes is None else timed_bytes
-        if collective == "all_reduce" and algorithm is not None and scope == "world":
-            t = self.net.all_reduce_with(algorithm, nbytes, p)
-        elif scope != "world":
-            t = self.net.scoped(collective, nbytes, p, scope)
-        elif collective == "all_reduce":
-            t = self.net.all_reduce(nbytes, p)
-        elif collective == "reduce_scatter":
-            t = self.net.reduce_scatter(nbytes, p)
-        elif collective == "all_gather":
-            t = self.net.all_gather(nbytes, p)
-        elif collective == "broadcast":
-            t = self.net.broadcast(nbytes, p)
-        elif collective == "p2p":
-            t = self.net.point_to_point(nbytes) if p > 1 else 0.0
-        else:
-            raise ValueError(collective)
+        t = self._seconds(self.net, collective, nbytes, scope, algorithm)
+        queued_net = self.net_queued
+        queued = None if queued_net is None else self._seconds(queued_net, collective, nbytes, scope, algorithm)
+        p = self.p
         if algorithm is None:
             algorithm = self.net.algorithm if self.net.algorithm in ("hierarchical", "hybrid") else "flat"
         wire = self.net.wire_bytes_of(collective, payload, p, scope, algorithm)
         inter = self.net.inter_bytes(collective, payload, p, scope, algorithm)
         task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
-                           wire_bytes=wire, inter_bytes=inter)
+                           wire_bytes=wire, inter_bytes=inter, queued_duration=queued)
         cpu = self.net.cpu_s_per_wire_byte * wire
         if cpu > 0:
             # Real compute sharing cores with the library's threads: the CPU they take is
@@ -150,6 +138,25 @@ class Sim:
             # stream: the wire time is the probe's, which already includes those threads).
             self.tl.add(f"cpu.{name}", "compute", cpu, kind="contention", iteration=it)
         return task
+
+    def _seconds(self, net: NetworkModel, collective: str, nbytes: int, scope: str, algorithm: str | None) -> float:
+        """One collective's seconds on ``net`` (see :meth:`collective`)."""
+        p = self.p
+        if collective == "all_reduce" and algorithm is not None and scope == "world":
+            return net.all_reduce_with(algorithm, nbytes, p)
+        if scope != "world":
+            return net.scoped(collective, nbytes, p, scope)
+        if collective == "all_reduce":
+            return net.all_reduce(nbytes, p)
+        if collective == "reduce_scatter":
+            return net.reduce_scatter(nbytes, p)
+        if collective == "all_gather":
+            return net.all_gather(nbytes, p)
+        if collective == "broadcast":
+            return net.broadcast(nbytes, p)
+        if collective == "p2p":
+            return net.point_to_point(nbytes) if p > 1 else 0.0
+        raise ValueError(collective)
 
     def forward_layer(self, i: int, it: int, after: Iterable[Task | None] = ()) -> Task:
         """Layer ``i``'s forward on the compute stream."""
