@@ -9,7 +9,7 @@ import pytest
 from lowcomm.comm.accounting import wire_bytes
 from lowcomm.sim import LayerProfile, NetworkModel, Profile, predict_iteration_time
 from lowcomm.sim.calibrate import (calibrate_compute, core_share, fit_collectives, latency_steps,
-                                   network_from_probe, scale_compression, scale_profile)
+                                   network_from_probe, queued_alpha, scale_compression, scale_profile)
 from lowcomm.sim.profile import ComputeCosts
 
 BITS = 100e6  # 100 Mbit/s link
@@ -119,3 +119,49 @@ def test_calibrated_compute_predicts_the_measured_nocomm_time() -> None:
     # communication is not scaled: ssgd's extra over nocomm is the network model's all-reduce
     ssgd = predict_iteration_time(scaled, "ssgd", workers=P, network=net).iter_time_s
     assert ssgd > 0.33
+
+
+# -- collectives queued behind another -----------------------------------------------------
+def test_queued_alpha_is_the_back_to_back_time_per_step_and_never_above_the_isolated_one() -> None:
+    alpha = {"all_reduce": 1e-3, "all_gather": 1e-4}
+    stream = {"all_reduce": 3e-3, "all_gather": 1.0}  # all_gather: noise above the isolated latency
+    q = queued_alpha(stream, alpha, workers=P)
+    assert q["all_reduce"] == pytest.approx(3e-3 / latency_steps("all_reduce", P))
+    assert q["all_gather"] == pytest.approx(1e-4)
+
+
+def test_the_probe_without_stream_times_leaves_no_queued_model() -> None:
+    assert fitted().queued() is None
+    net = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                             collectives={"small_s": SMALL, "stream_s": {"all_reduce": 1.2e-3}, "large": LARGE})
+    queued = net.queued()
+    assert queued is not None
+    assert queued.alpha_for("all_reduce") == pytest.approx(1.2e-3 / latency_steps("all_reduce", P))
+    assert queued.alpha_for("all_gather") == net.alpha_for("all_gather")  # not measured: isolated
+    assert queued.beta_for("all_reduce") == net.beta_for("all_reduce")
+
+
+def test_only_collectives_that_wait_for_the_link_pay_the_queued_latency() -> None:
+    net = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                             collectives={"small_s": SMALL, "stream_s": {"all_reduce": 1e-4}, "large": LARGE})
+    many = Profile(model="m", batch_size=8,
+                   layers=[LayerProfile(f"l{i}", 1e-4, 1e-4, [[1000]]) for i in range(40)])
+    slow_layers = Profile(model="m", batch_size=8,
+                          layers=[LayerProfile(f"l{i}", 1.0, 1.0, [[1000]]) for i in range(40)])
+    for prof, queues in ((many, True), (slow_layers, False)):
+        with_q = predict_iteration_time(prof, "wfbp", workers=P, network=net).iter_time_s
+        without = predict_iteration_time(prof, "wfbp", workers=P, network=fitted()).iter_time_s
+        # layer-wise all-reduces pile up behind each other when backward is fast, not when slow
+        assert (with_q < without) if queues else with_q == pytest.approx(without)
+
+
+def test_the_timeline_uses_the_queued_duration_only_for_a_task_that_waited_for_its_stream() -> None:
+    from lowcomm.sim.timeline import Timeline
+
+    tl = Timeline()
+    first = tl.add("a", "comm", 1.0, kind="comm", iteration=0, queued_duration=0.1)  # stream idle
+    second = tl.add("b", "comm", 1.0, kind="comm", iteration=0, queued_duration=0.5)  # waits for "a"
+    late = tl.add("c", "compute", 5.0, kind="backward", iteration=0)
+    third = tl.add("d", "comm", 1.0, kind="comm", iteration=0, after=[late], queued_duration=0.5)
+    assert first.duration == 1.0 and second.duration == 0.5 and second.start == first.end
+    assert third.start == late.end and third.duration == 1.0  # the link was free when it was issued
