@@ -145,6 +145,26 @@ def test_majority_vote_matches_the_reference_bit_for_bit(world: int, dtype: torc
     assert same(comp.aggregate(payloads, (sum(seg), dtype, seg)), ref_majority(payloads, sum(seg), dtype, seg))
 
 
+@pytest.mark.parametrize("world", [4, 63, 64])
+def test_majority_vote_over_several_chunks_and_segments_across_them_is_bit_identical(world: int) -> None:
+    """Segments that start and end inside the vote's chunks (of 8 * CHUNK_BYTES elements), a
+    length that is not a whole number of bytes, and the largest world the int8 vote takes (and
+    the first it leaves to the table)."""
+    from lowcomm.compress import signbits
+
+    chunk = 8 * signbits.CHUNK_BYTES
+    seg = [chunk + 1, 5, chunk - 3, 7, 13]
+    comp = MajoritySign()
+    payloads = [comp.compress(tricky(sum(seg), 60 + w), seg)[0] for w in range(world)]
+    payloads[1][1][3] = float("nan")
+    ctx = (sum(seg), torch.float32, seg)
+    expected = ref_majority(payloads, sum(seg), torch.float32, seg)
+    assert same(comp.aggregate(payloads, ctx), expected)
+    out = torch.full((sum(seg),), 7.0)
+    comp.aggregate_out(payloads, ctx, out)
+    assert same(out, expected)
+
+
 # --- the state: error feedback and momentum -------------------------------------------------
 def _layout(seg: list[int]) -> Layout:
     names = [f"p{i}" for i in range(len(seg))]

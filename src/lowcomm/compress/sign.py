@@ -190,6 +190,9 @@ class MajoritySign(ScaledSign):
         for p in payloads[1:]:
             scales.add_(p[1])
         scales.div_(world)
+        if _cpu(payloads[0][0]) and numel and dtype == torch.float32 and world <= signbits.VOTE_MAX:
+            result = torch.empty(numel, dtype=dtype) if out is None else out
+            return signbits.vote([p[0] for p in payloads], scales, seg, numel, result)
         if _cpu(payloads[0][0]) and numel and world < 256:
             table = signbits.vote_table(scales, world, dtype)
             return signbits.decode(table, [p[0] for p in payloads], seg, numel, out, count=True)
