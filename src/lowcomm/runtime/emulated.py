@@ -35,6 +35,7 @@ import math
 import threading
 import time
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -341,10 +342,23 @@ def emulate(model: nn.Module, profile: Profile, example: torch.Tensor, *, rank: 
     emu = Emulation(root=model, profile=profile, modules=modules, params=params, grads=grads,
                     grad_out=[[torch.empty_like(g) for g in gs] for gs in grads], device=device,
                     clock=_Clock(profile.layers, device), in_tail=tuple(example.shape[1:]), out_tail=out_tail)
-    emu.stop_listening = timing.on_device_work(emu.clock.delay)
+    emu.stop_listening = timing.on_device_work(_weak(emu.clock.delay))
     object.__setattr__(model, _MARK, emu)
     _install(emu)
     return model
+
+
+def _weak(method: Callable[[float], None]) -> Callable[[float], None]:
+    """A listener that calls ``method`` while its object lives (a model dropped without
+    :func:`restore` must not be kept alive by the process-wide device-work listeners)."""
+    ref = weakref.WeakMethod(method)
+
+    def listener(seconds: float) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(seconds)
+
+    return listener
 
 
 def scaled(profile: Profile, factor: float) -> Profile:
