@@ -82,7 +82,7 @@ def test_unsplit_baseline_runs_in_one_process_and_sends_nothing(setup: tuple[Pat
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--split-layer", "3"], "--split-layer must be from 1 to 2"),
+    (["--split-layer", "3"], "--split-layer must be an integer from 1 to 2"),
     (["--rank", "32"], "from 1 to 31"),
     (["--wire", "fp8"], "fp32, fp16, bf16"),
     (["--no-compress", "--keep-residual"], "compressed split only"),

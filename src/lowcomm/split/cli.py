@@ -81,6 +81,7 @@ def _check_model_here(cfg: SplitConfig) -> None:
     layer / rank is one line before any process starts."""
     from lowcomm.split.checkpoint import checkpoint_dir, read_config
     from lowcomm.split.factorize import check_rank
+    from lowcomm.split.parts import check_split_layer
 
     from lowcomm.split.data import text_dataset_names
 
@@ -88,9 +89,7 @@ def _check_model_here(cfg: SplitConfig) -> None:
         raise UsageError(f"--data: unknown text dataset {cfg.data!r}; valid: {', '.join(text_dataset_names())}")
     config = read_config(checkpoint_dir(cfg.model))
     n = config.num_hidden_layers
-    if not 1 <= cfg.split_layer <= n:
-        raise UsageError(f"--split-layer must be from 1 to {n} for {cfg.model!r} ({n} layers: the edge runs "
-                         f"layers 1..K, the cloud the rest, the pooling and the head), got {cfg.split_layer}")
+    check_split_layer(cfg.split_layer, n, what="--split-layer", model=cfg.model)
     if cfg.compress and not cfg.unsplit:
         check_rank(cfg.rank, config.intermediate_size, config.hidden_size, what="--rank")
     if cfg.keep_residual and not cfg.compress:

@@ -50,6 +50,15 @@ class SplitPlan:
         return [self.rank, self.hidden_size] if self.keep_residual else [self.rank]
 
 
+def check_split_layer(split_layer: object, layers: int, *, what: str = "split layer", model: str = "") -> None:
+    """UsageError unless ``split_layer`` is an integer from 1 to ``layers`` (the one rule, for
+    the CLI's check before any process starts and for :func:`plan`)."""
+    if not isinstance(split_layer, int) or isinstance(split_layer, bool) or not 1 <= split_layer <= layers:
+        of = f" for {model!r}" if model else ""
+        raise UsageError(f"{what} must be an integer from 1 to {layers}{of} (the edge runs layers 1..K, "
+                         f"the cloud the rest, the pooling and the head), got {split_layer!r}")
+
+
 def plan(model: nn.Module, *, split_layer: int, rank: int | None, keep_residual: bool = False,
          compress: bool = True) -> SplitPlan:
     """Check a split of ``model``; every bad value -> UsageError naming the valid range."""
@@ -59,9 +68,7 @@ def plan(model: nn.Module, *, split_layer: int, rank: int | None, keep_residual:
     n = len(model.encoder.layers)
     if n < 2:
         raise UsageError(f"the model has {n} layer(s); a split needs at least 2 (one per side)")
-    if not isinstance(split_layer, int) or isinstance(split_layer, bool) or not 1 <= split_layer <= n:
-        raise UsageError(f"split layer must be an integer from 1 to {n} (the edge runs layers 1..K, "
-                         f"the cloud the rest, the pooling and the head), got {split_layer!r}")
+    check_split_layer(split_layer, n)
     cfg = model.encoder.config
     if compress:
         check_rank(rank, cfg.intermediate_size, cfg.hidden_size)
