@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from typing import Any, Mapping
 
 from lowcomm.comm.accounting import wire_bytes
@@ -115,7 +116,7 @@ def network_from_probe(
                                    small_s=collectives.get("small_s") or {}, large=large)
     net = net.with_calibration(alpha, scale)
     queued = queued_alpha(collectives.get("stream_s") or {}, alpha, workers=workers)
-    return net.with_queued_alpha(queued) if queued else net
+    return replace(net, queued_alpha=queued) if queued else net
 
 
 def queued_alpha(stream_s: Mapping[str, float], alpha: Mapping[str, float], *, workers: int) -> dict[str, float]:

@@ -118,8 +118,7 @@ class NetworkModel:
     collective_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: β multiplier by collective kind (measured seconds per wire byte / link β)
     collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
-    #: per-step latency (s) by kind of a collective issued while the previous one still runs
-    #: (measured back to back: the library overlaps much of it); empty: ``collective_alpha``
+    #: per-step latency (s) by kind of a collective queued behind another (empty: as isolated)
     queued_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: compute seconds a worker loses per wire byte it moves (the collective library's threads
     #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
@@ -187,13 +186,8 @@ class NetworkModel:
         """A copy with per-collective α and β scale (see module docstring)."""
         return replace(self, collective_alpha=dict(alpha), collective_beta_scale=dict(beta_scale), **kw)
 
-    def with_queued_alpha(self, alpha: Mapping[str, float]) -> NetworkModel:
-        """A copy with the per-step α of collectives that queue behind another (by kind)."""
-        return replace(self, queued_alpha=dict(alpha))
-
     def queued(self) -> NetworkModel | None:
-        """The model for a collective that waits for the previous one on the link (its α the
-        queued one, by kind), or None when no queued α was measured."""
+        """The model of a collective that waits for the link (queued α by kind), or None."""
         if not self.queued_alpha:
             return None
         return replace(self, collective_alpha={**self.collective_alpha, **self.queued_alpha}, queued_alpha={})
