@@ -142,8 +142,7 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
         layer.forward_s *= factor
         layer.backward_s *= factor
     out.optimizer_s *= factor
-    out.costs = ComputeCosts(**{k: v * factor for k, v in vars(out.costs).items()})
-    out.compressors = {name: {k: v * factor for k, v in c.items()} for name, c in out.compressors.items()}
+    _scale_costs(out, factor)
     if out.factorized is not None:
         out.factorized = scale_profile(out.factorized, factor)
     note = f"compute scaled x{factor:.3g} to match the measured nocomm run"
@@ -163,11 +162,15 @@ def scale_compression(profile: Profile, factor: float) -> Profile:
         raise ValueError(f"scale factor must be a positive number, got {factor}")
     out = copy.deepcopy(profile)
     for prof in (out, out.factorized):
-        if prof is None:
-            continue
-        prof.costs = ComputeCosts(**{k: v * factor for k, v in vars(prof.costs).items()})
-        prof.compressors = {name: {k: v * factor for k, v in c.items()} for name, c in prof.compressors.items()}
+        if prof is not None:
+            _scale_costs(prof, factor)
     return out
+
+
+def _scale_costs(profile: Profile, factor: float) -> None:
+    """Multiply ``profile``'s compression costs (kernel constants and codecs) by ``factor`` in place."""
+    profile.costs = ComputeCosts(**{k: v * factor for k, v in vars(profile.costs).items()})
+    profile.compressors = {name: {k: v * factor for k, v in c.items()} for name, c in profile.compressors.items()}
 
 
 def core_share(*, workers: int, threads_per_worker: int, cpus: int) -> float:

@@ -141,22 +141,9 @@ class Sim:
 
     def _seconds(self, net: NetworkModel, collective: str, nbytes: int, scope: str, algorithm: str | None) -> float:
         """One collective's seconds on ``net`` (see :meth:`collective`)."""
-        p = self.p
         if collective == "all_reduce" and algorithm is not None and scope == "world":
-            return net.all_reduce_with(algorithm, nbytes, p)
-        if scope != "world":
-            return net.scoped(collective, nbytes, p, scope)
-        if collective == "all_reduce":
-            return net.all_reduce(nbytes, p)
-        if collective == "reduce_scatter":
-            return net.reduce_scatter(nbytes, p)
-        if collective == "all_gather":
-            return net.all_gather(nbytes, p)
-        if collective == "broadcast":
-            return net.broadcast(nbytes, p)
-        if collective == "p2p":
-            return net.point_to_point(nbytes) if p > 1 else 0.0
-        raise ValueError(collective)
+            return net.all_reduce_with(algorithm, nbytes, self.p)
+        return net.scoped(collective, nbytes, self.p, scope)  # "world": the flat collective
 
     def forward_layer(self, i: int, it: int, after: Iterable[Task | None] = ()) -> Task:
         """Layer ``i``'s forward on the compute stream."""
