@@ -223,10 +223,15 @@ class SignumOptions:
 
     The warm-up is the other codecs' ``"10%"``, although Signum has no error memory to protect:
     without it Signum gained 0.4 points on MNIST-1D cnn1d channels=256 at 15 epochs and lost
-    2.3 on channels=64 (3 seeds each, docs/compression.md, "Signum's rule")."""
+    2.3 on channels=64 (3 seeds each, docs/compression.md, "Signum's rule").
+
+    ``beta`` is 0.7, not Bernstein et al.'s 0.9: the majority vote already averages the
+    workers' noise, and a shorter memory follows the gradient sooner. Measured (3 seeds,
+    15 epochs, same doc section): channels=256 91.97 -> 92.53 %, channels=64 87.67 -> 89.50 %;
+    0.95 lost 1.5 points, 0.8 and 0.5 landed between."""
 
     start_iter: Duration = "10%"
-    momentum: float = 0.9
+    momentum: float = 0.7
 
     def __post_init__(self) -> None:
         self.start_iter = check_start(self.start_iter)
