@@ -65,6 +65,20 @@ def test_workers_get_torchrun_environment() -> None:
     assert launch_workers([], 3, command=[sys.executable, "-c", _ENV_ECHO]) == 0
 
 
+_OMP_ECHO = """
+import os, sys
+sys.exit(0 if os.environ.get("OMP_NUM_THREADS") == sys.argv[1] else 9)
+"""
+
+
+def test_threads_set_omp_num_threads_unless_the_environment_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    # gloo's callback threads follow OMP_NUM_THREADS, not the worker's torch.set_num_threads
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch_workers(["3"], 2, command=[sys.executable, "-c", _OMP_ECHO], threads=3) == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")  # the user's (or torchrun's) setting wins
+    assert launch_workers(["5"], 2, command=[sys.executable, "-c", _OMP_ECHO], threads=3) == 0
+
+
 @pytest.mark.timeout(240)  # the hang guard: rank 0 would block forever if not stopped
 def test_failed_rank_is_named_and_others_stopped(capfd: pytest.CaptureFixture[str]) -> None:
     code = launch_workers([], 2, command=[sys.executable, "-c", _CRASHY], failure_grace_s=3.0)

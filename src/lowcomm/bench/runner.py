@@ -232,7 +232,7 @@ def run_method(
     log_path = work / f"{tag}.log"
     json_path.unlink(missing_ok=True)
     steps_log_path(json_path).unlink(missing_ok=True)  # the trainer appends to its --log
-    kw: dict[str, Any] = {"timeout_s": cfg.timeout_s, "failure_grace_s": 10.0,
+    kw: dict[str, Any] = {"timeout_s": cfg.timeout_s, "failure_grace_s": 10.0, "threads": cfg.threads,
                           **launch_options(cluster, MASTER_PORT, measure_iface=True,
                                            nproc_per_node=cfg.nproc_per_node)}
     started = time.perf_counter()

@@ -202,6 +202,7 @@ def launch_workers(
     command: list[str] | None = None,
     fork_entry: Callable[[list[str]], int] | None = None,
     on_started: Callable[[], object] | None = None,
+    threads: int | None = None,
 ) -> int:
     """Run ``nproc`` workers to completion; return 0, or the first failure's exit code.
 
@@ -217,6 +218,12 @@ def launch_workers(
     only after the forks).
     ``nproc_per_node``: workers per (emulated) node, see the module docstring; it must divide
     ``nproc`` (:class:`~lowcomm.errors.UsageError` otherwise, before anything starts).
+    ``threads``: the workers' threads each; sets ``OMP_NUM_THREADS`` for them unless this
+    environment sets it (torchrun sets it to 1). Why: ``torch.set_num_threads`` in a worker
+    covers the threads torch starts, not the ones gloo runs a comm hook's callbacks on, which
+    would otherwise take every core for their decode's kernels (oversubscribing them) and
+    split its reductions differently from run to run (a low-rank codec's results then varied
+    by float round-off between identical runs).
     """
     per_node = node_layout(nproc, nproc_per_node)
     if fork_entry is not None and (rank_prefix is not None or command is not None):
@@ -228,7 +235,7 @@ def launch_workers(
         return _run(worker_args, nproc, per_node, master_addr=master_addr, port=port, rank_env=rank_env,
                     rank_prefix=rank_prefix, failure_grace_s=failure_grace_s, timeout_s=timeout_s,
                     quiet=quiet, command=command, usage_dir=usage_dir, fork_entry=fork_entry,
-                    on_started=on_started)
+                    on_started=on_started, threads=threads)
     finally:
         shutil.rmtree(usage_dir, ignore_errors=True)
 
@@ -249,9 +256,12 @@ def _run(
     usage_dir: str,
     fork_entry: Callable[[list[str]], int] | None = None,
     on_started: Callable[[], object] | None = None,
+    threads: int | None = None,
 ) -> int:
     procs: list[Any] = []  # subprocess.Popen, or ForkedWorker (the same methods)
     base_env = dict(os.environ)
+    if threads and "OMP_NUM_THREADS" not in base_env:
+        base_env["OMP_NUM_THREADS"] = str(threads)
     for rank in range(nproc):
         env = dict(base_env)
         env.update(node_env(rank, nproc, per_node))

@@ -255,7 +255,8 @@ def run_train(args: argparse.Namespace) -> int:
                     os.environ.pop(v, None)
             code = 0
         else:
-            code = launch_workers(worker_args, cfg.nproc, nproc_per_node=cfg.gpus_per_node)
+            code = launch_workers(worker_args, cfg.nproc, nproc_per_node=cfg.gpus_per_node,
+                                  threads=cfg.threads or default_threads(cfg.nproc))
         if code != 0:
             return code
         with open(json_path) as f:

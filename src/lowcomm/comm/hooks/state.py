@@ -53,6 +53,7 @@ from torch import nn
 
 from lowcomm.comm import accounting, transport
 from lowcomm.comm.amp import current_scale
+from lowcomm.comm.hooks.replay import BucketReplay, sync_as_parts
 from lowcomm.comm.topology import Topology
 from lowcomm.compress.codec import Codec, Layout
 from lowcomm.compress.feedback import StepFlags, finite_flag, warn_nonfinite
@@ -93,6 +94,8 @@ class CodecHook:
         named = list(getattr(ddp, "module", ddp).named_parameters())
         self._param_name = {id(p): n for n, p in named}
         self.param_index = {n: i for i, (n, _) in enumerate(named)}
+        #: the bucket layouts, recorded and replayed after a load (exact resume)
+        self.replay = BucketReplay(lambda p: self._param_name.get(id(p), "?"))
 
     def use_topology(self, topology: Topology | None) -> None:
         """The node layout scoped codec messages (hitopk's intra/inter) run on, also handed to
@@ -108,11 +111,23 @@ class CodecHook:
 
     # --- the hook -------------------------------------------------------------------------
     def __call__(self, bucket: dist.GradBucket) -> Future[torch.Tensor]:
-        """One bucket: warm-up mean, or the codec's messages; counts the step at the last."""
-        if self._flags_step != self.step:  # first bucket of a synchronized step
+        """One bucket: warm-up mean, or the codec's messages; counts the step at the last.
+        The first step after a load syncs a bucket as the recorded run's buckets where they
+        differ (:mod:`lowcomm.comm.hooks.replay`: exact resume)."""
+        first = self._flags_step != self.step
+        if first:  # first bucket of a synchronized step
             self._flags_step = self.step
             self.finite_flags.clear()
             self._scale = current_scale(self.scaler, bucket.buffer().device)
+        names = self.replay.names(bucket)
+        parts = self.replay.split(bucket)
+        if parts is not None:
+            return sync_as_parts(bucket, names, parts, lambda vb: self._sync(vb, first and vb.index() == 0))
+        return self._sync(bucket, first, names)
+
+    def _sync(self, bucket: Any, first: bool, names: list[str] | None = None) -> Future[torch.Tensor]:
+        """:meth:`__call__` for one bucket as DDP (or the replay) presents it."""
+        self.replay.note(self.replay.names(bucket) if names is None else names, first=first)
         codec = self.codec
         if codec is None:
             fut = self.allreduce_mean(bucket.buffer(), tag=self.name)
@@ -127,6 +142,7 @@ class CodecHook:
                 self._step += 1
             else:
                 codec.end_step()
+            self.replay.end_step()
         return fut
 
     def compressed(self, bucket: dist.GradBucket, codec: Codec) -> Future[torch.Tensor]:
@@ -226,8 +242,10 @@ class CodecHook:
 
     # --- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Method name, options, step and the codec's state (memory, factors)."""
-        state = {"method": self.name, "options": dataclasses.asdict(self.options), "step": self.step}
+        """Method name, options, step, the last step's bucket layout and the codec's state
+        (memory, factors)."""
+        state = {"method": self.name, "options": dataclasses.asdict(self.options), "step": self.step,
+                 "ddp_buckets": self.replay.state_dict()}
         return {**state, **self.codec.state_dict()} if self.codec is not None else state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -238,6 +256,7 @@ class CodecHook:
             self.codec.load_state_dict(state)
         else:
             self._step = int(state.get("step", 0))
+        self.replay.load(state.get("ddp_buckets"))
 
 
 def run_hook(state, bucket):  # type: ignore[no-untyped-def]
