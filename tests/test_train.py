@@ -51,18 +51,20 @@ def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path) -
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("method", ["ssgd", "powersgd:start_iter=2"])
-def test_four_rank_run_resumed_after_ddp_rebuilt_its_buckets_matches_bit_for_bit(tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize(("method", "stop"), [("ssgd", 5), ("powersgd:start_iter=2", 5), ("ssgd", 1)])
+def test_four_rank_run_resumed_after_ddp_rebuilt_its_buckets_matches_bit_for_bit(tmp_path: Path, method: str,
+                                                                                   stop: int) -> None:
     # DDP syncs a resumed run's first step in its initial bucket layout (parameter order) where
     # the straight run used the rebuilt one (backward order); a ring over 4 ranks then adds in
     # another order unless the hook replays the recorded layout (lowcomm.comm.hooks.replay).
-    # Small buckets: several of them, so the replay splits DDP's single initial bucket.
+    # Small buckets: several of them, so the replay splits DDP's single initial bucket. Stopped
+    # after step 1, DDP has not rebuilt yet: the layout recorded is the one it is about to build.
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     common = [*FAST, "--nproc", "4", "--batch-size", "64", "--epochs", "1", "--bucket-cap-mb", "0.02",
               "--method", method]
     assert main(["train", *common, "--checkpoint-dir", str(straight)]) == 0
-    assert main(["train", *common, "--checkpoint-dir", str(resumed), "--stop-after-steps", "5"]) == 0
-    layout = checkpoint.load_rank(str(resumed), 5, 0)["method"]["ddp_buckets"]
+    assert main(["train", *common, "--checkpoint-dir", str(resumed), "--stop-after-steps", str(stop)]) == 0
+    layout = checkpoint.load_rank(str(resumed), stop, 0)["method"]["ddp_buckets"]
     assert len(layout) > 1 and layout[0][0].startswith("fc.")  # rebuilt: the last layer first
     assert main(["train", *common, "--checkpoint-dir", str(resumed), "--resume"]) == 0
     a, b = _final_weights(straight), _final_weights(resumed)

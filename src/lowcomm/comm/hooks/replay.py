@@ -19,16 +19,23 @@ the original run's bucket did (same collective on the same bytes, same codec cal
 copied back. DDP then rebuilds its buckets from the resumed step's backward, which follows the
 same graph, so later steps match as they are. Cost: one copy of the gradients on that one step.
 
-Not covered: a checkpoint written after the run's very first step records DDP's initial layout
-(the rebuilt one does not exist yet), so a run resumed from it still drifts by round-off.
+A checkpoint written after the very first step cannot record the rebuilt layout (DDP has not
+rebuilt yet), so for that step the hook records the layout DDP is about to build instead:
+DDP's own assignment (``torch.distributed._compute_bucket_assignment_by_size`` with its bucket
+caps) over the order backward readied the gradients in, observed with post-accumulate-grad
+hooks during that step only (then removed). Where DDP's settings cannot be read, the observed
+layout is recorded (round-off again, never a wrong result: any split syncs the same values).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 Future = torch.futures.Future
 
@@ -70,6 +77,39 @@ class BucketReplay:
         self.layout: list[list[str]] = []
         #: the layout to replay on the first step after a load (None: nothing to replay)
         self.pending: list[list[str]] | None = None
+        self._ready: list[torch.Tensor] = []
+        self._handles: list[Any] = []
+        self._caps: tuple[int, int] | None = None
+
+    def watch(self, ddp: nn.Module) -> None:
+        """Observe the order backward readies ``ddp``'s gradients in until the first step ends
+        (DDP's first step runs in its initial layout; :meth:`end_step` records the rebuilt one
+        it predicts from that order). No-op for anything but DDP or where its bucket caps are
+        not readable."""
+        config = getattr(ddp, "_bucket_config", None)
+        first, cap = getattr(config, "first_bucket_bytes_cap", None), getattr(config, "bucket_bytes_cap", None)
+        if not isinstance(ddp, nn.parallel.DistributedDataParallel) or first is None or cap is None \
+                or os.environ.get("DDP_SET_LAST_BUCKET_CAP") == "1":
+            return
+        self._caps = (int(first), int(cap))
+        seen: set[int] = set()
+        for p in ddp.module.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
+
+    def _on_ready(self, p: torch.Tensor) -> None:
+        if any(q is p for q in self._ready):  # a new backward (no_sync steps come first)
+            self._ready = []
+        self._ready.append(p)
+
+    def _predicted(self) -> list[list[str]] | None:
+        """The buckets DDP rebuilds from the observed order (its own assignment function)."""
+        if self._caps is None or not self._ready:
+            return None
+        n = len(self._ready)
+        buckets, _ = dist._compute_bucket_assignment_by_size(self._ready, list(self._caps), [False] * n, list(range(n)))
+        return [[self._name(self._ready[i]) for i in b] for b in buckets]
 
     def names(self, bucket: Any) -> list[str]:
         """The bucket's parameter names, in buffer order."""
@@ -82,10 +122,19 @@ class BucketReplay:
         self._current.append(list(names))
 
     def end_step(self) -> None:
-        """The step's last bucket was synced: its layout becomes the recorded one and a
-        pending replay is done (DDP rebuilds its buckets before the next step)."""
+        """The step's last bucket was synced: its layout becomes the recorded one (after the
+        first step: the one DDP rebuilds, when it could be predicted) and a pending replay is
+        done (DDP rebuilds its buckets before the next step)."""
         self.layout, self._current = self._current, []
         self.pending = None
+        if self._handles:
+            predicted = self._predicted()
+            names = sorted(n for b in self.layout for n in b)
+            if predicted is not None and sorted(n for b in predicted for n in b) == names:
+                self.layout = predicted  # the same parameters, as DDP will bucket them from now on
+            for h in self._handles:
+                h.remove()
+            self._handles, self._ready = [], []
 
     def state_dict(self) -> list[list[str]]:
         """The recorded layout (plain lists of names)."""

@@ -96,6 +96,7 @@ class CodecHook:
         self.param_index = {n: i for i, (n, _) in enumerate(named)}
         #: the bucket layouts, recorded and replayed after a load (exact resume)
         self.replay = BucketReplay(lambda p: self._param_name.get(id(p), "?"))
+        self.replay.watch(ddp)
 
     def use_topology(self, topology: Topology | None) -> None:
         """The node layout scoped codec messages (hitopk's intra/inter) run on, also handed to
