@@ -78,6 +78,7 @@ class BucketReplay:
         #: the layout to replay on the first step after a load (None: nothing to replay)
         self.pending: list[list[str]] | None = None
         self._ready: list[torch.Tensor] = []
+        self._ready_ids: set[int] = set()
         self._handles: list[Any] = []
         self._caps: tuple[int, int] | None = None
 
@@ -99,9 +100,10 @@ class BucketReplay:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_ready))
 
     def _on_ready(self, p: torch.Tensor) -> None:
-        if any(q is p for q in self._ready):  # a new backward (no_sync steps come first)
-            self._ready = []
+        if id(p) in self._ready_ids:  # a new backward (no_sync steps come first)
+            self._ready, self._ready_ids = [], set()
         self._ready.append(p)
+        self._ready_ids.add(id(p))
 
     def _predicted(self) -> list[list[str]] | None:
         """The buckets DDP rebuilds from the observed order (its own assignment function)."""
@@ -134,7 +136,7 @@ class BucketReplay:
                 self.layout = predicted  # the same parameters, as DDP will bucket them from now on
             for h in self._handles:
                 h.remove()
-            self._handles, self._ready = [], []
+            self._handles, self._ready, self._ready_ids = [], [], set()
 
     def state_dict(self) -> list[list[str]]:
         """The recorded layout (plain lists of names)."""
@@ -145,18 +147,17 @@ class BucketReplay:
         self.pending = [list(b) for b in layout] if layout else None
         self.layout = list(self.pending or [])
 
-    def split(self, bucket: Any) -> list[list[str]] | None:
-        """The recorded buckets this bucket is made of, when it holds two or more of them
-        exactly, or one in another order; None when there is nothing to replay or the layouts
-        do not fit together (then the bucket is synced as it is)."""
+    def split(self, names: Sequence[str]) -> list[list[str]] | None:
+        """The recorded buckets a bucket holding ``names`` (in buffer order) is made of, when it
+        holds two or more of them exactly, or one in another order; None when there is nothing
+        to replay or the layouts do not fit together (then the bucket is synced as it is)."""
         if self.pending is None:
             return None
-        names = self.names(bucket)
         have = set(names)
         parts = [b for b in self.pending if have.issuperset(b)]
         if sum(len(b) for b in parts) != len(names) or set().union(*map(set, parts)) != have:
             return None
-        if len(parts) == 1 and parts[0] == names:
+        if len(parts) == 1 and parts[0] == list(names):
             return None
         return parts
 

@@ -121,7 +121,7 @@ class CodecHook:
             self.finite_flags.clear()
             self._scale = current_scale(self.scaler, bucket.buffer().device)
         names = self.replay.names(bucket)
-        parts = self.replay.split(bucket)
+        parts = self.replay.split(names)
         if parts is not None:
             return sync_as_parts(bucket, names, parts, lambda vb: self._sync(vb, first and vb.index() == 0))
         return self._sync(bucket, first, names)
