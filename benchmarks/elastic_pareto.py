@@ -13,7 +13,11 @@ Writes ``benchmarks/results/elastic_pareto_<task>.json``, the table in ``docs/el
 (between the ``elastic-pareto-<task>`` markers) and ``docs/img/elastic_pareto_<task>.png``.
 Keep the supernet file (``--keep``) for ``benchmarks/elastic_search.py``.
 
-    .venv/bin/python benchmarks/elastic_pareto.py --task stereo       # the recorded setup
+    .venv/bin/python benchmarks/elastic_pareto.py --task stereo       # EASNet's phase ratio
+    .venv/bin/python benchmarks/elastic_pareto.py --task stereo --epochs 12 --variant late \
+        --phases full:1,kernel:1,depth:1,expand:1,scales:8 --supernet-arg=--sandwich \
+        --data-arg train_size=1000 --data-arg test_size=200 --latency-shape 6,128,256 \
+        --keep late.pt                                                # the split that met the target
     .venv/bin/python benchmarks/elastic_pareto.py --task classifier
 
 Run it alone on the machine: the latencies are timings.
