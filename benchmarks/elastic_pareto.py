@@ -82,14 +82,20 @@ def choose(net: Any, table: Any, n: int, seed: int) -> list[dict[str, list[int]]
 
 
 LATENCY = {"threads": 1, "stat": "min", "repeats": 10, "rounds": 5}
+LATENCY_CALIBRATION = 3  # random networks timed whole for the table's scale fit (none of the rows)
 
 
-def measure_table(net: Any, shape: tuple[int, ...], seed: int) -> Any:
-    """The lookup table of this machine (units of the extremes and 30 random sub-networks)."""
+def measure_table(net: Any, shape: tuple[int, ...], seed: int, *, calibrate: int = 0) -> Any:
+    """The lookup table of this machine (units of the extremes and 30 random sub-networks); with
+    ``calibrate``, scale-corrected on that many other random networks timed whole (as
+    ``elastic_search.py`` does), so that "predicted" means what the search would predict."""
     from lowcomm.elastic.latency import LatencyTable
 
+    rng = random.Random(seed + 200)
+    others = [net.space.canonical(net.space.sample(rng)) for _ in range(calibrate)]
     return LatencyTable.measure(net, net.space, shape, samples=30, seed=seed, threads=LATENCY["threads"],
-                                stat=LATENCY["stat"], repeats=LATENCY["repeats"], rounds=LATENCY["rounds"])
+                                stat=LATENCY["stat"], repeats=LATENCY["repeats"], rounds=LATENCY["rounds"],
+                                calibrate=others, fit="scale")
 
 
 def add_latency(doc: dict[str, Any], supernet: Path) -> None:
@@ -99,12 +105,13 @@ def add_latency(doc: dict[str, Any], supernet: Path) -> None:
 
     net, _ = load_supernet(supernet)
     shape = tuple(doc["setup"]["latency_shape"])
-    table = measure_table(net, shape, doc["setup"]["seed"])
+    table = measure_table(net, shape, doc["setup"]["seed"], calibrate=LATENCY_CALIBRATION)
     measured = table.time_whole([row["config"] for row in doc["rows"]])  # interleaved, as the units
     for row, ms in zip(doc["rows"], measured):
         row["predicted_ms"] = table.predict(row["config"])
         row["measured_ms"] = ms
-    doc["latency"] = {**LATENCY, "device": device_name("cpu"), "batch": 1}
+    doc["latency"] = {**LATENCY, "device": device_name("cpu"), "batch": 1, "fit": "scale",
+                      "calibration_networks": LATENCY_CALIBRATION, "scale": table.scale}
 
 
 def main() -> int:
@@ -246,7 +253,11 @@ def markdown(doc: dict[str, Any]) -> str:
            f"architecture alone from scratch for the same {t['epochs']} epochs; {t['optimizer']} lr {t['lr']}, batch "
            f"{t['batch_size']} per worker, seed {t['seed']}, {t['nproc']} worker(s). Latency: batch 1, input "
            f"{tuple(t['latency_shape'])}, {doc['latency']['threads']} thread(s), {doc['latency']['stat']} of "
-           f"{doc['latency'].get('rounds', 1)} round(s) x {doc['latency']['repeats']} runs. Machine: {m['cpu']}, "
+           f"{doc['latency'].get('rounds', 1)} round(s) x {doc['latency']['repeats']} runs"
+           + (f"; predicted by the lookup table scaled by {doc['latency']['scale']:.3f}, fitted on "
+              f"{doc['latency']['calibration_networks']} other random networks timed whole"
+              if "scale" in doc["latency"] else "; predicted: the lookup table's sum, uncorrected")
+           + f". Machine: {m['cpu']}, "
            f"{m['cpu_count']} cores, torch {m['torch']}; commit {doc['commit']}.", "",
            f"| architecture | parameters | latency measured (predicted) | extracted {metric} | from scratch {metric} | "
            f"gap (target ≤ 5 %) |", "|---|---:|---:|---:|---:|---:|"]

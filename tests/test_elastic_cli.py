@@ -33,6 +33,10 @@ def test_search_answers_meet_their_budgets_and_face_the_random_baseline(supernet
         assert b["search"]["predicted_ms"] <= b["budget_ms"] and b["random"]["predicted_ms"] <= b["budget_ms"]
         assert 0.0 <= b["search"]["test"]["accuracy"] <= 1.0
         assert isinstance(b["search_beats_random_on_test"], bool)
+        for answer in (b["search"], b["random"]):  # verified by timing (--verify 5, the default)
+            assert answer["predicted_ms"] <= b["budget_ms"] * (1 - s["latency_margin"])  # searched with a margin
+            assert answer["verify"]["meets_budget"] and answer["measured_ms"] <= b["budget_ms"]
+            assert answer["config"] in [r["config"] for r in answer["verify"]["rows"]]
     assert table.is_file() and json.loads(table.read_text())["units"]
     again = tmp_path / "s2.json"  # the saved table is read, not measured again
     assert main(["elastic", "search", "--supernet", str(supernet), "--latency-ms", "1e6", "--random", "0",
@@ -71,6 +75,8 @@ def test_extract_writes_a_plain_subnetwork_that_reloads(supernet: Path, tmp_path
     (["search", "--latency-ms", "fast"], "milliseconds"),
     (["search", "--latency-ms", "-1"], "positive"),
     (["search", "--latency-ms", "5", "--latency-rounds", "0"], "--latency-rounds"),
+    (["search", "--latency-ms", "5", "--latency-margin", "1"], "--latency-margin"),
+    (["search", "--latency-ms", "5", "--verify", "-1"], "--verify"),
     (["extract", "--out", "x.pt"], "exactly one of --config"),
     (["extract", "--config", "{\"kernel\": [4]}", "--out", "x.pt"], "kernel"),
 ])

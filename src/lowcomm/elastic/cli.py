@@ -187,7 +187,8 @@ def add_elastic_train_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``lowcomm elastic train|search|extract``."""
-    from lowcomm.elastic.search_cli import add_extract_arguments, add_search_arguments, run_extract, run_search
+    from lowcomm.elastic.search_args import add_extract_arguments, add_search_arguments
+    from lowcomm.elastic.search_cli import run_extract, run_search
 
     p = sub.add_parser("elastic", help="elastic supernets: progressive shrinking, latency-constrained search "
                                        "(docs/elastic.md)", description=__doc__,

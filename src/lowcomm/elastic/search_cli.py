@@ -162,11 +162,57 @@ def score_function(args: argparse.Namespace, scorer: SubnetScorer) -> tuple[Any,
     return predictor, {"kind": "predictor", "samples": len(configs), "holdout_rank_correlation": held}
 
 
+class _Recorder:
+    """``fn`` with every ``(config, score)`` it returned kept: the candidates to verify."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.scored: dict[str, tuple[Config, float]] = {}
+
+    def __call__(self, config: Config) -> float:
+        value = float(self.fn(config))
+        self.scored[json.dumps(config, sort_keys=True)] = (config, value)
+        return value
+
+    def under(self, table: Any, budget: float) -> list[tuple[Config, float]]:
+        """The scored configs the table predicts within ``budget``."""
+        return [cs for cs in self.scored.values() if table.predict(cs[0]) <= budget]
+
+
+def _limit(args: argparse.Namespace, budget: float) -> float:
+    """The predicted latency the search may use: the budget less ``--latency-margin``."""
+    return budget * (1.0 - args.latency_margin)
+
+
 def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float,
-            args: argparse.Namespace) -> dict[str, Any]:
+            args: argparse.Namespace, candidates: _Recorder, budget: float,
+            direct: bool) -> dict[str, Any]:
+    """One answer's row: verified by timing (``--verify``) and measured on the test set.
+
+    ``direct``: the recorded scores are held-out scores (else predictions, and the chosen
+    config's held-out score is measured here)."""
+    from lowcomm.elastic.verify import verify_by_timing
+
+    check: dict[str, Any] | None = None
+    if args.verify:
+        chosen, score, measured, rows = verify_by_timing(
+            candidates.under(table, _limit(args, budget)), table.time_whole, budget, top=args.verify,
+            max_timed=4 * args.verify)
+        check = {"top": args.verify, "timed": len(rows),
+                 "meets_budget": measured is not None, "changed_answer": chosen != config,
+                 "rows": rows}
+        if measured is None:
+            print(f"lowcomm: warning: none of the {len(rows)} best candidates under {_limit(args, budget):.4g} ms "
+                  f"(predicted) ran within {budget:g} ms when timed whole; keeping the fastest of them (a larger "
+                  f"--latency-margin leaves room)", file=sys.stderr)
+        config = chosen
+        valid_score = score if direct else scorer.score(config)
     row: dict[str, Any] = {"config": config, "score": valid_score, "predicted_ms": table.predict(config),
                            "test": scorer.test(config)}
-    if args.measure:
+    if check is not None:
+        row["measured_ms"] = next(r["measured_ms"] for r in check["rows"] if r["config"] == config)
+        row["verify"] = check
+    elif args.measure:
         row["measured_ms"] = table.time_whole([config])[0]  # timed as the table's units were
     return row
 
@@ -187,17 +233,20 @@ def search_budgets(args: argparse.Namespace, budgets: list[float]) -> dict[str, 
     rows = []
     for budget in budgets:
         rng = random.Random(args.seed)
-        best, best_score, history = evolution_search(net.space, score_fn, table.predict, budget,
+        searched = _Recorder(score_fn)
+        best, best_score, history = evolution_search(net.space, searched, table.predict, _limit(args, budget),
                                                      population=args.population, iterations=args.iterations,
                                                      rng=rng)
-        found = _answer(scorer, table, best, scorer.score(best) if args.score != "direct" else best_score,
-                        args)
+        direct = args.score == "direct"
+        found = _answer(scorer, table, best, best_score if direct else scorer.score(best), args, searched,
+                        budget, direct)
         found["history"] = history
         row: dict[str, Any] = {"budget_ms": budget, "search": found}
         if args.random:
-            rbest, rscore, _ = random_search(net.space, scorer.score, table.predict, budget, n=args.random,
+            drawn = _Recorder(scorer.score)
+            rbest, rscore, _ = random_search(net.space, drawn, table.predict, _limit(args, budget), n=args.random,
                                              rng=random.Random(args.seed + 3))
-            row["random"] = _answer(scorer, table, rbest, rscore, args)
+            row["random"] = _answer(scorer, table, rbest, rscore, args, drawn, budget, True)
             key = "accuracy" if scorer.task == "classification" else "epe"
             better = (found["test"][key] > row["random"]["test"][key] if key == "accuracy"
                       else found["test"][key] < row["random"]["test"][key])
@@ -209,7 +258,8 @@ def search_budgets(args: argparse.Namespace, budgets: list[float]) -> dict[str, 
             "latency_rounds": args.latency_rounds,
             "latency_table": args.latency_table, "latency_units_measured_lazily": table.measured_lazily,
             "score": score_info, "population": args.population, "iterations": args.iterations,
-            "random_samples": args.random, "subnet_evaluations": scorer.evaluations, "budgets": rows}
+            "random_samples": args.random, "verify": args.verify, "latency_margin": args.latency_margin,
+            "subnet_evaluations": scorer.evaluations, "budgets": rows}
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -225,6 +275,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.threads is not None:
         check_count("--threads", args.threads)
     check_count("--latency-threads", args.latency_threads)
+    check_count("--verify", args.verify, minimum=0)
+    if not 0.0 <= args.latency_margin < 1.0:
+        raise UsageError(f"--latency-margin must be a fraction in [0, 1), got {args.latency_margin!r}")
 
 
 def run_search(args: argparse.Namespace) -> int:
@@ -306,52 +359,3 @@ def _print_search(result: dict[str, Any]) -> None:
             table.add_row(f"{row['budget_ms']:g}", label, f"{r['predicted_ms']:.2f}", measured,
                           f"{r['score']:.4f}", metric)
     Console().print(table)
-
-
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--supernet", required=True, help="a file written by `lowcomm elastic train --out`")
-    p.add_argument("--data-dir", default=None, help="where the supernet's data is (default: as in training)")
-    p.add_argument("--latency-table", default=None,
-                   help="JSON lookup table: read if it exists, else measured on this machine and written there")
-    p.add_argument("--latency-shape", default=None, help="per-sample input shape for latency (default: the data's)")
-    p.add_argument("--latency-repeats", type=int, default=10, help="timed runs per unit (and network) per round")
-    p.add_argument("--latency-rounds", type=int, default=3,
-                   help="rounds over all units (and networks), round-robin, so a slow spell of a shared "
-                        "machine cannot bias one of them; the statistic is taken over all rounds")
-    p.add_argument("--latency-stat", choices=("min", "median"), default="min",
-                   help="statistic of the timed runs (min: timeit's advice on a shared machine)")
-    p.add_argument("--latency-threads", type=int, default=1,
-                   help="torch threads while timing (the target device's; 1 by default)")
-    p.add_argument("--latency-fit", choices=("none", "offset", "scale", "affine"), default="none",
-                   help="correct the table's sums by timing the largest and smallest networks whole")
-    p.add_argument("--latency-samples", type=int, default=30,
-                   help="random sub-networks whose units are timed up front (others are timed when first met)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads while measuring and evaluating")
-    p.add_argument("--score", choices=("predictor", "direct"), default="predictor",
-                   help="how the search scores sub-networks (default: OFA's accuracy predictor)")
-    p.add_argument("--predictor-samples", type=int, default=100,
-                   help="sub-networks scored on held-out data to train the accuracy predictor")
-    p.add_argument("--population", type=int, default=100, help="evolution population (OFA: 100)")
-    p.add_argument("--iterations", type=int, default=50, help="evolution iterations (OFA: 500)")
-    p.add_argument("--valid-size", type=int, default=1000, help="held-out samples taken from the training set")
-    p.add_argument("--bn-batches", type=int, default=10, help="batches for BN re-calibration of each sub-network")
-    p.add_argument("--measure", action="store_true", help="also time each answer whole on this machine")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
-    p.add_argument("--quiet", action="store_true")
-
-
-def add_search_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``lowcomm elastic search``."""
-    p.add_argument("--latency-ms", required=True, help="budget(s) in ms, comma-separated")
-    p.add_argument("--random", type=int, default=50, help="random sub-networks under each budget (baseline; 0: none)")
-    _add_common(p)
-
-
-def add_extract_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``lowcomm elastic extract``."""
-    p.add_argument("--config", default=None, help="max, min, a JSON object or a JSON file")
-    p.add_argument("--latency-ms", default=None, help="extract the search's answer under this budget instead")
-    p.add_argument("--out", required=True, help="the sub-network file to write")
-    _add_common(p)
-    p.set_defaults(random=0)
