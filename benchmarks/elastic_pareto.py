@@ -85,14 +85,20 @@ LATENCY = {"threads": 1, "stat": "min", "repeats": 10, "rounds": 5}
 LATENCY_CALIBRATION = 3  # random networks timed whole for the table's scale fit (none of the rows)
 
 
-def measure_table(net: Any, shape: tuple[int, ...], seed: int, *, calibrate: int = 0) -> Any:
+def measure_table(net: Any, shape: tuple[int, ...], seed: int, *, calibrate: int = 0,
+                  avoid: list[dict[str, list[int]]] | None = None) -> Any:
     """The lookup table of this machine (units of the extremes and 30 random sub-networks); with
-    ``calibrate``, scale-corrected on that many other random networks timed whole (as
-    ``elastic_search.py`` does), so that "predicted" means what the search would predict."""
+    ``calibrate``, scale-corrected on that many other random networks (none of ``avoid``) timed
+    whole, as ``elastic_search.py`` does, so that "predicted" means what the search would predict."""
     from lowcomm.elastic.latency import LatencyTable
 
     rng = random.Random(seed + 200)
-    others = [net.space.canonical(net.space.sample(rng)) for _ in range(calibrate)]
+    skip = [net.space.canonical(c) for c in avoid or []]
+    others: list[dict[str, list[int]]] = []
+    while len(others) < calibrate:
+        config = net.space.canonical(net.space.sample(rng))
+        if config not in skip:
+            others.append(config)
     return LatencyTable.measure(net, net.space, shape, samples=30, seed=seed, threads=LATENCY["threads"],
                                 stat=LATENCY["stat"], repeats=LATENCY["repeats"], rounds=LATENCY["rounds"],
                                 calibrate=others, fit="scale")
@@ -105,7 +111,8 @@ def add_latency(doc: dict[str, Any], supernet: Path) -> None:
 
     net, _ = load_supernet(supernet)
     shape = tuple(doc["setup"]["latency_shape"])
-    table = measure_table(net, shape, doc["setup"]["seed"], calibrate=LATENCY_CALIBRATION)
+    table = measure_table(net, shape, doc["setup"]["seed"], calibrate=LATENCY_CALIBRATION,
+                          avoid=[row["config"] for row in doc["rows"]])
     measured = table.time_whole([row["config"] for row in doc["rows"]])  # interleaved, as the units
     for row, ms in zip(doc["rows"], measured):
         row["predicted_ms"] = table.predict(row["config"])

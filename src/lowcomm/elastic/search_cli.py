@@ -184,13 +184,14 @@ def _limit(args: argparse.Namespace, budget: float) -> float:
     return budget * (1.0 - args.latency_margin)
 
 
-def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float,
+def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float | None,
             args: argparse.Namespace, candidates: _Recorder, budget: float,
             direct: bool) -> dict[str, Any]:
     """One answer's row: verified by timing (``--verify``) and measured on the test set.
 
-    ``direct``: the recorded scores are held-out scores (else predictions, and the chosen
-    config's held-out score is measured here)."""
+    ``valid_score``: ``config``'s held-out score, or None to measure it here (once, for the
+    config finally chosen). ``direct``: the recorded scores are held-out scores (else
+    predictions)."""
     from lowcomm.elastic.verify import verify_by_timing
 
     check: dict[str, Any] | None = None
@@ -206,7 +207,9 @@ def _answer(scorer: SubnetScorer, table: Any, config: Config, valid_score: float
                   f"(predicted) ran within {budget:g} ms when timed whole; keeping the fastest of them (a larger "
                   f"--latency-margin leaves room)", file=sys.stderr)
         config = chosen
-        valid_score = score if direct else scorer.score(config)
+        valid_score = score if direct else None
+    if valid_score is None:
+        valid_score = scorer.score(config)
     row: dict[str, Any] = {"config": config, "score": valid_score, "predicted_ms": table.predict(config),
                            "test": scorer.test(config)}
     if check is not None:
@@ -238,8 +241,7 @@ def search_budgets(args: argparse.Namespace, budgets: list[float]) -> dict[str, 
                                                      population=args.population, iterations=args.iterations,
                                                      rng=rng)
         direct = args.score == "direct"
-        found = _answer(scorer, table, best, best_score if direct else scorer.score(best), args, searched,
-                        budget, direct)
+        found = _answer(scorer, table, best, best_score if direct else None, args, searched, budget, direct)
         found["history"] = history
         row: dict[str, Any] = {"budget_ms": budget, "search": found}
         if args.random:
