@@ -369,10 +369,11 @@ def test_declarations_and_registry() -> None:
     assert "hitopk" in CODECS.names() and has_reference("hitopk")
     assert HiTopKCodec.aggregation is Aggregation.GATHER and HiTopKCodec.multi_round
     assert ("hitopk", {**OPTIONS, "start_iter": 1}) in list(HOOK_CASES)
-    # topk's options, with gtopk's measured defaults (masking off, a 6-epoch sparsity warm-up)
-    # and local clipping off (its accuracy was not re-measured with it)
+    # topk's options, with gtopk's measured defaults (masking off, a 6-epoch sparsity warm-up,
+    # topk's former warm-up) and local clipping off (its accuracy was not re-measured with it)
     assert dataclasses.asdict(HiTopKOptions()) == {**dataclasses.asdict(TopKOptions()), "momentum_masking": False,
-                                                   "sparsity_warmup": "6ep", "clip": 0.0}
+                                                   "sparsity_warmup": "6ep", "clip": 0.0, "start_iter": "10%",
+                                                   "warmup_density": 0.25}
 
 
 # --- 4 gloo ranks as 2 nodes x 2, through the real transport -----------------------------

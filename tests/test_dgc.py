@@ -34,6 +34,8 @@ def make(name: str, world: int, *, momentum: float = 0.0, steps_per_epoch: int |
     """One codec per rank, run information given, velocity on when ``momentum > 0``; local
     clipping off unless asked for (the tests below compare with unclipped references)."""
     opts.setdefault("clip", 0.0)
+    if name in SPARSE:
+        opts.setdefault("warmup_density", 0.25)  # DGC's first stage: three stages to 0.01
     codecs = [codec_class(name)(options_for(name, **opts), world=world, rank=r) for r in range(world)]
     for c in codecs:
         c.set_run(steps_per_epoch=steps_per_epoch, total_steps=None)
@@ -136,11 +138,11 @@ def test_codec_density_is_a_pure_function_of_the_step(name: str) -> None:
 def test_warmup_default_is_off_without_run_information_and_an_explicit_one_is_refused(name: str) -> None:
     c = codec_class(name)(options_for(name), world=2)
     c.set_run(steps_per_epoch=None, total_steps=None)
-    assert [c.density_at(s) for s in (10, 11, 100)] == [0.01] * 3  # default "3ep" falls back to 0
-    explicit = codec_class(name)(options_for(name, sparsity_warmup="2ep"), world=2)
+    assert [c.density_at(s) for s in (10, 11, 100)] == [0.01] * 3  # the default "Nep" falls back to 0
+    explicit = codec_class(name)(options_for(name, sparsity_warmup="4ep"), world=2)
     with pytest.raises(UsageError, match="steps_per_epoch"):
         explicit.set_run(steps_per_epoch=None, total_steps=None)
-    steps = codec_class(name)(options_for(name, sparsity_warmup=6, start_iter=0), world=2)
+    steps = codec_class(name)(options_for(name, sparsity_warmup=6, start_iter=0, warmup_density=0.25), world=2)
     steps.set_run(steps_per_epoch=None, total_steps=None)  # steps need no run information
     assert [steps.density_at(s) for s in range(7)] == [0.25] * 2 + [0.0625] * 2 + [0.015625] * 2 + [0.01]
 
@@ -366,7 +368,7 @@ def test_through_the_ddp_hook_masking_and_bytes_follow_the_warmup() -> None:
     model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 4))
     ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1e-3)
     hook = register(ddp, "topk", density=0.02, start_iter=1, sparsity_warmup="2ep", momentum=0.9,
-                    clip=1.0, steps_per_epoch=2)
+                    clip=1.0, steps_per_epoch=2, warmup_density=0.25)
     codec = hook.codec
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     shapes = [p.shape for p in model.parameters()]
@@ -390,8 +392,13 @@ def test_through_the_ddp_hook_masking_and_bytes_follow_the_warmup() -> None:
 
 
 def test_gtopk_defaults_differ_from_topk_where_measured() -> None:
-    """gTop-k's longer sparsity warm-up and masking off (GTopKOptions says why)."""
+    """gTop-k's longer sparsity warm-up and masking off, and topk's shorter warm-ups
+    (TopKOptions and GTopKOptions say why; hitopk keeps gtopk's)."""
     top, gtop = codec_class("topk").Options(), codec_class("gtopk").Options()
-    assert (top.momentum_masking, top.sparsity_warmup) == (True, "3ep")
+    hier = codec_class("hitopk").Options()
+    assert (top.momentum_masking, top.sparsity_warmup) == (True, "2ep")
+    assert (top.start_iter, top.warmup_density) == ("5%", 0.0625)
     assert (gtop.momentum_masking, gtop.sparsity_warmup) == (False, "6ep")
+    for former in (gtop, hier):
+        assert (former.start_iter, former.warmup_density) == ("10%", 0.25)
     assert gtop.density == top.density == 0.01

@@ -85,8 +85,9 @@ class _Exchange:
 
 @dataclass
 class GTopKOptions(TopKOptions):
-    """gtopk: topk's options with two other defaults, a longer sparsity warm-up (``"6ep"``)
-    and momentum factor masking off.
+    """gtopk: topk's options with other defaults: a longer sparsity warm-up (``"6ep"``),
+    momentum factor masking off, and topk's former warm-up (``start_iter="10%"``, first
+    density 0.25; topk's shorter ones were measured on topk only).
 
     Why: gTop-k keeps k values worldwide, not up to P*k, and a local value that is dropped in
     an intermediate merge while its index survives through another worker's value leaves
@@ -98,6 +99,8 @@ class GTopKOptions(TopKOptions):
 
     momentum_masking: bool = False
     sparsity_warmup: Duration = "6ep"
+    start_iter: Duration = "10%"
+    warmup_density: float = 0.25
 
 
 @register_codec

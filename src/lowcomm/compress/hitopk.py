@@ -130,8 +130,8 @@ class _Step:
 class HiTopKOptions(TopKOptions):
     """hitopk: topk's options (``density`` 0.01, warm-up, error feedback, fast selection,
     DGC's momentum correction, masking, sparsity warm-up and clipping), applied per shard,
-    with gtopk's two other defaults: a longer sparsity warm-up (``"6ep"``) and momentum
-    factor masking off.
+    with gtopk's other defaults: a longer sparsity warm-up (``"6ep"``), momentum factor
+    masking off, topk's former ``start_iter="10%"`` and first density 0.25.
 
     Why: like gtopk, hitopk selects from a sum (the node's), not from one worker's gradient.
     Measured on MNIST-1D cnn1d, 2 nodes x 2 workers, 15 epochs, 3 seeds
@@ -142,6 +142,8 @@ class HiTopKOptions(TopKOptions):
 
     momentum_masking: bool = False
     sparsity_warmup: Duration = "6ep"
+    start_iter: Duration = "10%"
+    warmup_density: float = 0.25
     clip: float = 0.0
 
 
