@@ -277,7 +277,7 @@ def test_every_compression_method_is_in_the_method_namespace() -> None:
         assert dataclasses.asdict(hooks.options_for(name)) == dataclasses.asdict(codec_class(name).Options()), name
     assert methods.create("acpsgd").options.rank == 4
     assert methods.create("topk").options.density == 0.01
-    assert methods.create("powersgd").options.start_iter == "10%"
+    assert methods.create("powersgd").options.start_iter == "min(1.5ep,10%)"
     assert methods.create("signsgd").options.error_feedback is True
 
 

@@ -397,7 +397,7 @@ def test_gtopk_defaults_differ_from_topk_where_measured() -> None:
     top, gtop = codec_class("topk").Options(), codec_class("gtopk").Options()
     hier = codec_class("hitopk").Options()
     assert (top.momentum_masking, top.sparsity_warmup) == (True, "2ep")
-    assert (top.start_iter, top.warmup_density) == ("5%", 0.0625)
+    assert (top.start_iter, top.warmup_density) == ("min(1ep,5%)", 0.0625)
     assert (gtop.momentum_masking, gtop.sparsity_warmup) == (False, "6ep")
     for former in (gtop, hier):
         assert (former.start_iter, former.warmup_density) == ("10%", 0.25)

@@ -33,13 +33,15 @@ WITH_START = [n for n in CODECS.names() if any(f.name == "start_iter" for f in d
 
 
 @pytest.mark.parametrize("value, parsed", [(10, 10), ("12", 12), (0, 0), ("2ep", "2ep"), ("0.5EP", "0.5ep"),
-                                           (" 2.0ep ", "2ep"), ("5%", "5%"), ("100%", "100%"), ("0%", "0%")])
+                                           (" 2.0ep ", "2ep"), ("5%", "5%"), ("100%", "100%"), ("0%", "0%"),
+                                           ("MIN( 1.5EP , 10% )", "min(1.5ep,10%)"), ("min(24,5%)", "min(24,5%)")])
 def test_durations_parse_to_steps_or_a_canonical_relative_form(value: Any, parsed: Any) -> None:
     assert parse_duration("start_iter", value) == parsed
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "2 epochs", "ep", "nan%", "inf ep", "1e400ep", "101%", "-1ep",
-                                   "2.5", None])
+                                   "2.5", None, "min(1ep)", "min(1ep,2ep,3ep)", "min(min(1ep,2ep),3)",
+                                   "min(x,2)", "min()", "min(-1,2ep)"])
 def test_an_invalid_duration_names_the_option_and_the_valid_forms(value: Any) -> None:
     with pytest.raises(UsageError, match=r"start_iter must be an integer >= 0 \(steps\), 'Nep'.*'N%'"):
         parse_duration("start_iter", value)
@@ -52,6 +54,17 @@ def test_epochs_and_percentages_resolve_against_the_run_length() -> None:
     assert resolve_duration("5%", **run) == 50
     assert resolve_duration("0.25%", **run) == 3  # 2.5 steps: round half up
     assert resolve_duration(7, **run) == 7
+
+
+def test_the_shorter_of_two_durations_scales_down_with_a_short_run_and_stops_growing_with_a_long_one() -> None:
+    """``min(1.5ep,10%)`` at 16 steps per epoch: 10 % of a short run, 1.5 epochs of a long one."""
+    steps = {epochs: resolve_duration("min(1.5ep,10%)", steps_per_epoch=16, total_steps=16 * epochs,
+                                      default_steps=None) for epochs in (2, 15, 20, 40, 90)}
+    assert steps == {2: 3, 15: 24, 20: 24, 40: 24, 90: 24}
+    assert resolve_duration("min(3,1ep)", steps_per_epoch=16, total_steps=None, default_steps=None) == 3
+    with pytest.raises(UsageError, match=r"start_iter='1ep'.*steps_per_epoch="):  # explicit: the fix is named
+        resolve_duration("min(1ep,5%)", steps_per_epoch=None, total_steps=None, default_steps=None, name="start_iter")
+    assert resolve_duration("min(1ep,5%)", steps_per_epoch=None, total_steps=None, default_steps=10) == 10
 
 
 def test_an_explicit_relative_duration_without_run_information_says_what_to_pass() -> None:
@@ -92,6 +105,8 @@ def test_a_relative_default_falls_back_to_ten_steps_when_the_run_is_unknown() ->
 
 
 @pytest.mark.parametrize("spec, expected", [("topk:start_iter=2ep", "2ep"), ("acpsgd:start_iter=5%", "5%"),
+                                            ("powersgd:start_iter=min(2ep,5%)", "min(2ep,5%)"),
+                                            ("wfbp:compress=acpsgd,start_iter=(min(1ep,3%))", "min(1ep,3%)"),
                                             ("powersgd:start_iter=12", 12),
                                             ("wfbp:compress=signsgd,start_iter=0.5ep", "0.5ep")])
 def test_method_specs_keep_durations_as_typed(spec: str, expected: Any) -> None:

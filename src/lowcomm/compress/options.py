@@ -56,12 +56,22 @@ def check_momentum(momentum: float) -> None:
 
 
 # --- durations (``start_iter``, ``sparsity_warmup``) -------------------------------------------
-#: A duration as an option holds it: an int (steps), ``"Nep"`` (N epochs, N a float) or
-#: ``"N%"`` (N percent of the run's total steps).
+#: A duration as an option holds it: an int (steps), ``"Nep"`` (N epochs, N a float),
+#: ``"N%"`` (N percent of the run's total steps) or ``"min(A,B)"`` (the shorter of two).
 Duration = int | str
 
-DURATION_FORMS = ("an integer >= 0 (steps), 'Nep' (epochs, e.g. '2ep', '0.5ep') or 'N%' "
-                  "(percent of the run's steps, e.g. '5%')")
+DURATION_FORMS = ("an integer >= 0 (steps), 'Nep' (epochs, e.g. '2ep', '0.5ep'), 'N%' "
+                  "(percent of the run's steps, e.g. '5%') or 'min(A,B)' (the shorter of two of "
+                  "these, e.g. 'min(1.5ep,10%)')")
+
+
+def _shorter_of(text: str) -> tuple[str, str] | None:
+    """``"min(A,B)"`` -> ``("A", "B")`` (stripped); None for any other text."""
+    t = text.strip()
+    if not (t.lower().startswith("min(") and t.endswith(")")):
+        return None
+    parts = t[4:-1].split(",")
+    return (parts[0].strip(), parts[1].strip()) if len(parts) == 2 else ("", "")
 
 
 def _relative(value: str) -> tuple[float, str]:
@@ -80,11 +90,24 @@ def parse_duration(name: str, value: object) -> int | str:
     """Validate a duration option; returns the steps (int) or the canonical relative form.
 
     Accepted: an int >= 0 or a string of digits (steps), ``"Nep"`` (N >= 0 epochs, N a float),
-    ``"N%"`` (0 <= N <= 100 percent of the run's total steps). Relative forms are returned as
-    ``"<N>ep"`` / ``"<N>%"`` (``"2.0EP"`` -> ``"2ep"``) and turned into steps by
+    ``"N%"`` (0 <= N <= 100 percent of the run's total steps), ``"min(A,B)"`` (A and B two of
+    the forms before: the shorter, so that a warm-up scales down with a short run without
+    growing with a long one). Relative forms are returned as ``"<N>ep"`` / ``"<N>%"`` /
+    ``"min(<A>,<B>)"`` (``"2.0EP"`` -> ``"2ep"``) and turned into steps by
     :func:`resolve_duration` once the run's length is known. Anything else (bool, negative,
-    nan, ``"2 epochs"``) is a :class:`UsageError` naming ``name`` and the valid forms.
+    nan, ``"2 epochs"``, a nested ``min``) is a :class:`UsageError` naming ``name`` and the
+    valid forms.
     """
+    pair = _shorter_of(value) if isinstance(value, str) else None
+    if pair is not None:
+        if all(p and _shorter_of(p) is None for p in pair):
+            try:
+                a, b = (parse_duration(name, p) for p in pair)
+            except UsageError:
+                pass
+            else:
+                return f"min({a},{b})"
+        raise UsageError(f"{name} must be {DURATION_FORMS}, got {value!r}")
     if isinstance(value, int) and not isinstance(value, bool):
         if 0 <= value <= MAX_COUNT:
             return value
@@ -102,7 +125,7 @@ def parse_duration(name: str, value: object) -> int | str:
 
 
 def is_relative(value: object) -> bool:
-    """Whether a (parsed) duration needs the run's length: ``"Nep"`` or ``"N%"``."""
+    """Whether a (parsed) duration needs the run's length: ``"Nep"``, ``"N%"`` or ``"min(...)"``."""
     return isinstance(value, str)
 
 
@@ -119,6 +142,10 @@ def resolve_duration(value: int | str, *, steps_per_epoch: int | None, total_ste
     parsed = parse_duration(name, value)
     if isinstance(parsed, int):
         return parsed
+    pair = _shorter_of(parsed)
+    if pair is not None:
+        return min(resolve_duration(p, steps_per_epoch=steps_per_epoch, total_steps=total_steps,
+                                    default_steps=default_steps, name=name) for p in pair)
     number, unit = _relative(parsed)
     base = steps_per_epoch if unit == "ep" else total_steps
     if base is None:

@@ -243,18 +243,19 @@ class TopKOptions:
       (docs/compression.md). At the trainer's defaults it acts on spikes only: per-tensor
       norms there are 0.3-3.5 in the first steps and below 1 after a few dozen.
 
-    The warm-ups are short by default (dense for ``start_iter="5%"`` of the run, then
+    The warm-ups are short by default (dense for ``start_iter="min(1ep,5%)"``, then
     densities 0.0625 and 0.015625 over ``sparsity_warmup="2ep"``): the dense steps run at
     S-SGD's speed and DGC's first stage, 0.25, all-gathers more bytes than the dense ring
     (8 against 6 per parameter on 4 workers), so on a slow link they were most of the time
     to accuracy. Measured (MNIST-1D cnn1d 256 channels, 4 workers, 100 Mbit/s emulated,
     2026-11-25; docs/compression.md, seventh round): 2.80x / 2.57x / 2.79x sooner than
-    ssgd to 99 % of its accuracy at 20 epochs (seeds 0-2), against 1.68x with the former
-    ``"10%"``, 0.25 and ``"3ep"``. gtopk and hitopk keep those (not re-measured).
+    ssgd to 99 % of its accuracy at 20 epochs (seeds 0-2; ``"5%"`` there, the same steps), against
+    1.68x with the former ``"10%"``, 0.25 and ``"3ep"``. gtopk and hitopk keep those (not
+    re-measured).
     """
 
     density: float = 0.01
-    start_iter: Duration = "5%"
+    start_iter: Duration = "min(1ep,5%)"
     error_feedback: bool = True
     fast_select: bool = False
     seed: int = 0
