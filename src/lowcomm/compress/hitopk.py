@@ -76,10 +76,10 @@ from lowcomm.comm.topology import Topology
 from lowcomm.compress.base import PayloadSpec, cpu_fast, pack_payload, payload_spec, unpack_payload
 from lowcomm.compress.codec import Aggregation, CodecCost, Layout, Message, Round, Work, register_codec
 from lowcomm.compress.feedback import finite_flag, keep_where_, poison_
-from lowcomm.compress.options import Duration
 from lowcomm.compress.selection import fast_path
 from lowcomm.compress.sparse_kernels import Spares
-from lowcomm.compress.topk import TopKCodec, TopKOptions, num_selected
+from lowcomm.compress.gtopk import GTopKOptions
+from lowcomm.compress.topk import TopKCodec, num_selected
 from lowcomm.errors import UsageError
 
 
@@ -127,11 +127,12 @@ class _Step:
 
 
 @dataclass
-class HiTopKOptions(TopKOptions):
+class HiTopKOptions(GTopKOptions):
     """hitopk: topk's options (``density`` 0.01, warm-up, error feedback, fast selection,
     DGC's momentum correction, masking, sparsity warm-up and clipping), applied per shard,
-    with gtopk's other defaults: a longer sparsity warm-up (``"6ep"``), momentum factor
-    masking off, topk's former ``start_iter="10%"`` and first density 0.25.
+    with gtopk's defaults (:class:`~lowcomm.compress.gtopk.GTopKOptions`: a longer sparsity
+    warm-up, ``"6ep"``, momentum factor masking off, topk's former ``start_iter="10%"`` and
+    first density 0.25) and local clipping off.
 
     Why: like gtopk, hitopk selects from a sum (the node's), not from one worker's gradient.
     Measured on MNIST-1D cnn1d, 2 nodes x 2 workers, 15 epochs, 3 seeds
@@ -140,10 +141,6 @@ class HiTopKOptions(TopKOptions):
     (topk 84.9 %, gtopk 87.0 %, ssgd 91.9 %). Masking off also leaves the owner's indices out
     of the final intra-node message. Clipping stays off (not re-measured with it)."""
 
-    momentum_masking: bool = False
-    sparsity_warmup: Duration = "6ep"
-    start_iter: Duration = "10%"
-    warmup_density: float = 0.25
     clip: float = 0.0
 
 

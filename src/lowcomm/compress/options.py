@@ -65,13 +65,13 @@ DURATION_FORMS = ("an integer >= 0 (steps), 'Nep' (epochs, e.g. '2ep', '0.5ep'),
                   "these, e.g. 'min(1.5ep,10%)')")
 
 
-def _shorter_of(text: str) -> tuple[str, str] | None:
-    """``"min(A,B)"`` -> ``("A", "B")`` (stripped); None for any other text."""
+def _shorter_of(text: str) -> list[str] | None:
+    """``"min(A,B)"`` -> ``["A", "B"]`` (the parts between the commas, stripped, however many);
+    None for text that is not a ``min(...)``."""
     t = text.strip()
     if not (t.lower().startswith("min(") and t.endswith(")")):
         return None
-    parts = t[4:-1].split(",")
-    return (parts[0].strip(), parts[1].strip()) if len(parts) == 2 else ("", "")
+    return [part.strip() for part in t[4:-1].split(",")]
 
 
 def _relative(value: str) -> tuple[float, str]:
@@ -100,7 +100,7 @@ def parse_duration(name: str, value: object) -> int | str:
     """
     pair = _shorter_of(value) if isinstance(value, str) else None
     if pair is not None:
-        if all(p and _shorter_of(p) is None for p in pair):
+        if len(pair) == 2 and all(p and _shorter_of(p) is None for p in pair):
             try:
                 a, b = (parse_duration(name, p) for p in pair)
             except UsageError:
