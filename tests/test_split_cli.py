@@ -73,6 +73,21 @@ def test_edge_and_cloud_train_and_count_each_direction(setup: tuple[Path, Path],
     assert s["bytes_per_step"]["cloud_to_edge"] == backward_bytes(BATCH, MAX_LEN, widths, wire)
 
 
+def test_emulated_compute_replays_real_messages_through_the_link_and_reports_no_accuracy(
+        setup: tuple[Path, Path], tmp_path: Path) -> None:
+    out = tmp_path / "emulated.json"
+    r = _split(setup, "--steps", "11", "--wire", "bf16", "--compute", "emulated:scale=5", "--json", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    assert s["compute"] == "emulated:scale=5" and s["final_test_accuracy"] is None
+    assert s["steps"] == 11 and s["timed_steps"] == 3
+    # every step, replayed ones included, crossed the link with the real message's bytes
+    assert s["bytes_per_step"]["edge_to_cloud"] == forward_bytes(BATCH, MAX_LEN, [RANK], "bf16")
+    assert s["bytes_per_step"]["cloud_to_edge"] == backward_bytes(BATCH, MAX_LEN, [RANK], "bf16")
+    measured = s["compute_measured"]
+    assert all(measured[k] > 0 for k in ("edge_forward_s", "edge_backward_s", "cloud_s", "real_step_time_s_median"))
+
+
 def test_unsplit_baseline_runs_in_one_process_and_sends_nothing(setup: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "unsplit.json"
     r = _split(setup, "--unsplit", "--steps", "2", "--json", str(out), "--quiet")
@@ -88,6 +103,8 @@ def test_unsplit_baseline_runs_in_one_process_and_sends_nothing(setup: tuple[Pat
     (["--no-compress", "--keep-residual"], "compressed split only"),
     (["--model", "/nonexistent/bert"], "/nonexistent/bert"),
     (["--data", "imdb"], "tweets"),
+    (["--compute", "emulated:scale=2"], "N > 8"),
+    (["--compute", "emulated:x.json"], "real or emulated:scale=K"),
 ])
 def test_misuse_is_one_line_and_exit_2(setup: tuple[Path, Path], args: list[str], words: str) -> None:
     r = _split(setup, "--steps", "1", *args)

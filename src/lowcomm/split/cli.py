@@ -39,6 +39,9 @@ def add_split_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unsplit", action="store_true", help="fine-tune the whole model in one process (baseline)")
     p.add_argument("--net", default=None, metavar="RATE[,delay=MS]",
                    help="edge and cloud in two namespaces joined by a shaped link (root; e.g. 100mbit)")
+    p.add_argument("--compute", default=d.compute, metavar="real|emulated:scale=K",
+                   help="emulated:scale=K: after 4 measured steps each side waits its measured computation / K "
+                        "instead of computing, the link stays real (step time only, no accuracy)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--epochs", type=int, default=None)
     group.add_argument("--steps", type=int, default=None)
@@ -63,7 +66,7 @@ def config_from_args(args: argparse.Namespace) -> SplitConfig:
     cfg = SplitConfig(
         model=args.model, split_layer=args.split_layer, rank=args.rank, data=args.data, data_dir=args.data_dir,
         max_train=args.max_train, max_test=args.max_test, wire=args.wire, compress=not args.no_compress,
-        keep_residual=args.keep_residual, unsplit=args.unsplit, net=args.net,
+        keep_residual=args.keep_residual, unsplit=args.unsplit, net=args.net, compute=args.compute,
         epochs=args.epochs if args.epochs is not None else SplitConfig.epochs, steps=args.steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, max_len=args.max_len, lr=args.lr,
         weight_decay=args.weight_decay, seed=args.seed, device=args.device, threads=args.threads,
@@ -167,14 +170,19 @@ def _finish(summary: dict[str, Any], cfg: SplitConfig) -> None:
         rows = [("model", summary["model"]), ("split layer", summary["split_layer"]), ("rank", summary["rank"]),
                 ("wire", summary["wire"]), ("data", f"{summary['data']} ({summary['train_samples']} train, "
                                                     f"{summary['test_samples']} test)"),
-                ("steps", summary["steps"]), ("test accuracy", f"{100 * summary['final_test_accuracy']:.2f} %"),
+                ("steps", summary["steps"]), ("test accuracy", _accuracy(summary)),
                 ("bytes per step, edge -> cloud", f"{summary['bytes_per_step']['edge_to_cloud']:,.0f}"),
                 ("bytes per step, cloud -> edge", f"{summary['bytes_per_step']['cloud_to_edge']:,.0f}"),
                 ("step time (median)", f"{summary['step_time_s_median']:.3f} s"),
-                ("network", summary["network"]["requested"])]
+                ("network", summary["network"]["requested"]), ("compute", summary.get("compute", "real"))]
         for key, value in rows:
             table.add_row(key, str(value))
         Console().print(table)
+
+
+def _accuracy(summary: dict[str, Any]) -> str:
+    accuracy = summary["final_test_accuracy"]
+    return "not measured (compute emulated)" if accuracy is None else f"{100 * accuracy:.2f} %"
 
 
 def _dispatch(args: argparse.Namespace) -> int:

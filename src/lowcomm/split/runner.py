@@ -24,8 +24,9 @@ from torch import nn
 from lowcomm.comm import accounting
 from lowcomm.comm.ledger import ledger
 from lowcomm.split.checkpoint import build_classifier, load_bert
-from lowcomm.split.config import SplitConfig
+from lowcomm.split.config import PROFILE_STEPS, SplitConfig, split_compute
 from lowcomm.split.data import TextDataset, load_text_data
+from lowcomm.split.emulate import CloudReplay, EdgeReplay
 from lowcomm.split.model import SplitCloud, SplitEdge
 from lowcomm.split.transport import BACKWARD_TAG, FORWARD_TAG
 
@@ -116,17 +117,27 @@ def _run_edge(cfg: SplitConfig, config: Any, weights: Any, tokenizer: Any, devic
     opt = _optimizer(cfg, split.parameters())
     step_s: list[float] = []
     comm_before = split.comm_s
+    replay = _edge_replay(cfg)
     split.train()
     log = open(cfg.log, "a") if cfg.log else None
     try:
         for idx in _training_batches(cfg, train):
-            start = time.perf_counter()
-            ids, mask, labels, types = _encode(tokenizer, train, idx, cfg.max_len, device)
-            split(ids, mask, labels, types)
-            split.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            step_s.append(time.perf_counter() - start)
+            if replay is not None and not replay.measuring:
+                step_s.append(replay.replay(split))
+            else:
+                start = time.perf_counter()
+                ids, mask, labels, types = _encode(tokenizer, train, idx, cfg.max_len, device)
+                comm0 = split.comm_s
+                out = split(ids, mask, labels, types)
+                middle, comm1 = time.perf_counter(), split.comm_s
+                split.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                step_s.append(time.perf_counter() - start)
+                if replay is not None:
+                    replay.record((middle - start) - (comm1 - comm0),
+                                  (start + step_s[-1] - middle) - (split.comm_s - comm1), step_s[-1],
+                                  list(out) if isinstance(out, tuple) else [out], mask, labels)
             if log is not None:
                 log.write(json.dumps({"event": "step", "step": len(step_s), "step_s": step_s[-1]}) + "\n")
                 log.flush()
@@ -135,20 +146,31 @@ def _run_edge(cfg: SplitConfig, config: Any, weights: Any, tokenizer: Any, devic
             log.close()
     comm_s = split.comm_s - comm_before
     forward_bytes = ledger().by_tag[FORWARD_TAG].wire_bytes
-    split.eval()
-    with torch.no_grad():
-        for idx in batches(test, cfg.eval_batch_size, seed=cfg.seed, epoch=None):
-            split(*_encode(tokenizer, test, idx, cfg.max_len, device))
+    if replay is None:  # emulated compute: the replayed steps trained nothing, so no evaluation
+        split.eval()
+        with torch.no_grad():
+            for idx in batches(test, cfg.eval_batch_size, seed=cfg.seed, epoch=None):
+                split(*_encode(tokenizer, test, idx, cfg.max_len, device))
     split.stop()
-    report = torch.zeros(4, dtype=torch.float64, device=device)
+    report = torch.zeros(5, dtype=torch.float64, device=device)
     accounting.broadcast(report, CLOUD, tag="split.report")
-    correct, count, loss_sum, backward_bytes = report.tolist()
+    correct, count, loss_sum, backward_bytes, cloud_s = report.tolist()
     steps = len(step_s)
-    return _summary(cfg, params=sum(p.numel() for p in split.parameters()), steps=steps,
-                    step_s=step_s, comm_s=comm_s, accuracy=correct / max(count, 1), loss=loss_sum / max(count, 1),
-                    train=train, test=test, bytes_per_step={
-                        "edge_to_cloud": forward_bytes / max(steps, 1),
-                        "cloud_to_edge": backward_bytes / max(steps, 1)})
+    summary = _summary(cfg, params=sum(p.numel() for p in split.parameters()), steps=steps,
+                       step_s=step_s, comm_s=comm_s, accuracy=correct / max(count, 1), loss=loss_sum / max(count, 1),
+                       train=train, test=test, bytes_per_step={
+                           "edge_to_cloud": forward_bytes / max(steps, 1),
+                           "cloud_to_edge": backward_bytes / max(steps, 1)})
+    if replay is not None:
+        summary.update(final_test_accuracy=None, test_loss=None, compute_measured=replay.measured(cloud_s),
+                       step_time_s_median=statistics.median(step_s[PROFILE_STEPS:]),
+                       timed_steps=steps - PROFILE_STEPS)
+    return summary
+
+
+def _edge_replay(cfg: SplitConfig) -> EdgeReplay | None:
+    spec = split_compute(cfg.compute, unsplit=cfg.unsplit, steps=cfg.steps)
+    return EdgeReplay(spec.scale or 1.0) if spec.emulated else None
 
 
 def _run_cloud(cfg: SplitConfig, config: Any, weights: Any, device: torch.device) -> None:
@@ -160,21 +182,36 @@ def _run_cloud(cfg: SplitConfig, config: Any, weights: Any, device: torch.device
     opt = _optimizer(cfg, split.parameters())
     loss_fn = nn.CrossEntropyLoss()
     stats = torch.zeros(3, dtype=torch.float64, device=device)  # correct, count, loss sum
-    while (batch := split()) is not None:
+    spec = split_compute(cfg.compute, unsplit=cfg.unsplit, steps=cfg.steps)
+    replay = CloudReplay(spec.scale or 1.0) if spec.emulated else None
+    while True:
+        if replay is not None and not replay.measuring:
+            replay.serve(split, device)
+            break
+        start, comm0 = time.perf_counter(), split.comm_s
+        batch = split()
+        if batch is None:
+            break
         assert batch.labels is not None
         labels = batch.labels.long()
         if batch.train:
             loss = loss_fn(batch.logits, labels)
             loss.backward()
+            before, comm1 = time.perf_counter(), split.comm_s
             split.backward()
+            after = time.perf_counter()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if replay is not None:  # the part after the send overlaps the edge's backward
+                replay.record((before - start) - (comm1 - comm0), time.perf_counter() - after)
         else:
             stats[0] += (batch.logits.argmax(-1) == labels).sum()
             stats[1] += labels.numel()
             stats[2] += nn.functional.cross_entropy(batch.logits.float(), labels, reduction="sum").double()
-    backward = torch.tensor([float(ledger().by_tag[BACKWARD_TAG].wire_bytes)], dtype=torch.float64, device=device)
-    accounting.broadcast(torch.cat([stats, backward]), CLOUD, tag="split.report")
+    backward = float(ledger().by_tag[BACKWARD_TAG].wire_bytes)
+    cloud_s = sum(replay.median_s) if replay is not None else 0.0
+    accounting.broadcast(torch.cat([stats, torch.tensor([backward, cloud_s], dtype=torch.float64, device=device)]),
+                         CLOUD, tag="split.report")
 
 
 def _run_unsplit(cfg: SplitConfig, config: Any, weights: Any, tokenizer: Any, device: torch.device) -> dict[str, Any]:
@@ -221,6 +258,7 @@ def _summary(cfg: SplitConfig, *, params: int, steps: int, step_s: list[float],
         "step_time_s_median": statistics.median(timed) if timed else None,
         "comm_s_per_step": comm_s / max(steps, 1), "edge_params": params,
         "network": {"requested": cfg.net or "none", "emulated": bool(cfg.net)},
+        "compute": split_compute(cfg.compute, unsplit=cfg.unsplit, steps=cfg.steps).label,
     }
 
 
