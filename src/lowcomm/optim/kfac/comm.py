@@ -79,19 +79,22 @@ class FactorComm:
 
     def finish(self, flight: Flight, n: int, diagonal: bool) -> torch.Tensor:
         """Wait for a launched all-reduce; the averaged factor statistic, unpacked."""
-        return unpack(flight.wait(), n, self.symmetric, diagonal=diagonal) / self.world_size
+        return self._mean(unpack(flight.wait(), n, self.symmetric, diagonal=diagonal))
+
+    def _mean(self, total: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks divided by their number, in place (the buffer is ours)."""
+        return total.div_(self.world_size) if self.world_size > 1 else total
 
     def reduce_all(self, stats: Sequence[tuple[torch.Tensor, int, bool]], kind: str) -> list[torch.Tensor]:
         """Average ``(stat, n, diagonal)`` statistics in one fused all-reduce (baseline mode)."""
         if not stats:
             return []
-        flats = [pack(s, self.symmetric) for s, _, _ in stats]
+        flats = [pack(s, self.symmetric, copy=False) for s, _, _ in stats]  # this step's, handed over
         if self.world_size > 1:
             buf = torch.cat(flats)
             accounting.all_reduce(buf, group=self.group, tag=f"kfac.{kind}")
             flats = list(buf.split([f.numel() for f in flats]))
-        return [unpack(f, n, self.symmetric, diagonal=d) / self.world_size
-                for f, (_, n, d) in zip(flats, stats)]
+        return [self._mean(unpack(f, n, self.symmetric, diagonal=d)) for f, (_, n, d) in zip(flats, stats)]
 
     def share(self, mine: Mapping[FactorKey, Decomposition], remote: Sequence[FactorKey],
               sources: Mapping[FactorKey, int | None], compute: str,

@@ -48,7 +48,7 @@ class Pipeline:
     def send(self, kind: str, layer: int, stat: torch.Tensor) -> list[tuple[int, Flight]]:
         """Pack a ready statistic and send it, or hold it for its group (called in a hook:
         no host reads). Returns the (layer index, flight) pairs launched now."""
-        flat = pack(stat, self.comm.symmetric)
+        flat = pack(stat, self.comm.symmetric, copy=False)  # the hook's statistic, handed over
         if self._profiling():
             assert self.profile is not None
             self.profile.mark(kind, layer)

@@ -378,7 +378,8 @@ class KFAC:
         for layer in self.layers:
             saved = state["factors"][layer.name]
             st = self._factors[layer.name] = LayerFactors()
-            st.a, st.g = to(saved["A"], layer), to(saved["G"], layer)
+            # copies: the running averages are updated in place, the caller's state must not be
+            st.a, st.g = (None if t is None else to(t, layer).clone() for t in (saved["A"], saved["G"]))
         self._decs = {}
         for key in self._keys:
             layer = self.layers[key.layer]
