@@ -408,3 +408,28 @@ def test_a_layer_whose_hooks_never_fire_warns_once_and_is_left_alone() -> None:
             kfac.step()
     assert [str(w.message).count("'spare'") for w in caught] == [1]
     assert torch.equal(model.spare.weight.grad, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("guard", [False, True])
+def test_running_average_updates_the_factor_in_place(guard: bool) -> None:
+    from lowcomm.optim.kfac.factors import running_average
+
+    gen = torch.Generator().manual_seed(3)
+    old, new = torch.rand(6, 6, generator=gen), torch.rand(6, 6, generator=gen)
+    expected = 0.9 * old.double() + 0.1 * new.double()
+    out = running_average(old, new.clone(), 0.9, guard)
+    assert out is old  # no factor-sized temporary survives
+    assert rel_err(out, expected) <= 4 * eps(torch.float32)  # two roundings of a convex sum
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_statistic_leaves_the_factor_unchanged(bad: float) -> None:
+    from lowcomm.optim.kfac.factors import running_average
+
+    old = torch.rand(4, 4, generator=torch.Generator().manual_seed(4))
+    before = old.clone()
+    new = torch.ones(4, 4)
+    new[1, 2] = bad
+    assert torch.equal(running_average(old, new.clone(), 0.95, True), before)  # the statistic is consumed
+    first = running_average(None, new, 0.95, True)  # the first statistic: the factor starts at 0
+    assert torch.equal(first, torch.zeros(4, 4))
