@@ -93,6 +93,28 @@ def test_identical_updates_in_the_non_pipelined_baseline() -> None:
 
 
 @distributed(world_size=2)
+def test_the_baselines_buckets_give_the_one_buffer_result_with_the_same_bytes() -> None:
+    from lowcomm.optim.kfac import comm
+
+    def run(bucket_bytes: int) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        comm.BUCKET_BYTES = bucket_bytes
+        accounting.ledger().reset()
+        net, _ = _run(3, pipeline=False, symmetric_comm=False)
+        return [p.detach().clone() for p in net.parameters()], accounting.ledger().as_dict()["by_tag"]
+
+    default = comm.BUCKET_BYTES
+    try:
+        whole, one = run(1 << 40)  # every factor of a kind in one buffer
+        parts, many = run(4 * 60)  # fc1's 49x49 A (9.6 kB) alone, the small ones together
+    finally:
+        comm.BUCKET_BYTES = default
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts))
+    for tag in ("kfac.A", "kfac.G"):
+        assert many[tag]["wire_bytes"] == one[tag]["wire_bytes"]
+    assert one["kfac.A"]["calls"] == 3 and many["kfac.A"]["calls"] > 3  # one per factor step, then more
+
+
+@distributed(world_size=2)
 def test_placement_covers_every_factor_exactly_once_across_ranks() -> None:
     _, kfac = _run(1, placement="balanced", local_inverse_below=10)
     rank = dist.get_rank()
