@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned, so pip never pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,split,elastic]'
+	$(PY) -m pip install -q -e '.[dev,split,elastic,fast]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -69,14 +69,19 @@ def test_lowrank_bytes_split_compressed_and_uncompressed_tensors() -> None:
     p_elems = 4 * (64 + 128 + 10)
     b = kernel_bytes("powersgd", N, world=4, shapes=SHAPES, rank=4)
     assert b["encode"] == 16 * N + 12 * n_c + 8 * n_u + 4 * n_c + 4 * p_elems
-    assert b["decode"] == 16 * n_c + 8 * n_u
+    assert b["decode"] == 16 * n_c + 8 * n_u + 8 * n_c  # + the velocity's masking (default on)
+    unmasked = kernel_bytes("powersgd", N, world=4, shapes=SHAPES, rank=4, momentum_masking=False)
+    assert unmasked["decode"] == 16 * n_c + 8 * n_u
+    assert kernel_bytes("powersgd", N, world=4, shapes=SHAPES, rank=4, momentum_correction=False)["decode"] \
+        == 16 * n_c + 8 * n_u  # no velocity, nothing to mask
     a = kernel_bytes("acpsgd", N, world=4, shapes=SHAPES, rank=4)
     assert a["encode"] == 16 * N + 24 * n_c + 8 * n_u and a["decode"] == 4 * n_c + 8 * n_u
 
 
 def test_matmul_flops_are_only_for_the_lowrank_codecs() -> None:
     abr = 4 * (64 * 27 + 128 * 576 + 10 * 512)
-    assert kernel_flops("powersgd", SHAPES, rank=4, world=4) == {"encode": 2 * abr, "decode": 4 * abr}
+    assert kernel_flops("powersgd", SHAPES, rank=4, world=4) == {"encode": 2 * abr, "decode": 8 * abr}
+    assert kernel_flops("powersgd", SHAPES, rank=4, world=4, masking=False) == {"encode": 2 * abr, "decode": 4 * abr}
     assert kernel_flops("acpsgd", SHAPES, rank=4, world=4) == {"encode": 4 * abr, "decode": 2 * abr}
     assert kernel_flops("signsgd", SHAPES, rank=4, world=4) == {}
 

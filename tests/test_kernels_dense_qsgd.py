@@ -1,6 +1,6 @@
-"""QSGD's fast kernels (lowcomm.compress.qsgdkern): the documented uniforms and rounding, one
-result whatever the path, the fusion or the chunking, and unbiasedness to the stated
-resolution."""
+"""QSGD's fast kernels (lowcomm.compress.qsgdkern, lowcomm.compress.qsgdjit): the documented
+uniforms and rounding, one result whatever the path (compiled, torch, torch without numba) or
+the fusion, and unbiasedness to the stated resolution."""
 
 from __future__ import annotations
 
@@ -28,38 +28,106 @@ def _reference_levels(x: torch.Tensor, seg: list[int], seeds: list[int], s: int,
     return torch.cat(out)
 
 
+def _paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, object]]:
+    """(name, LOWCOMM_CPU_FAST, qsgdkern._JIT) of the CPU compiled path, the torch path that
+    device tensors take, and the CPU fast setting on a machine without numba."""
+    paths: list[tuple[str, str, object]] = [("torch", "0", None), ("no numba", "1", False)]
+    if qsgdkern.compiled() is not None:
+        paths.append(("compiled", "1", None))
+    return paths
+
+
 @pytest.mark.parametrize("seg, bs", [([70_000, 9, 512, 131_072, 3], 512), ([1000, 7, 20_001], 7),
                                      ([4, 4, 4], 48), ([6_600], 100)])
-def test_fast_and_device_paths_give_the_documented_levels_bit_for_bit(
+def test_every_path_gives_the_documented_levels_bit_for_bit(
         seg: list[int], bs: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunk boundaries (chunks of about 1000 elements here: many per tensor), partial
-    buckets, buckets not a multiple of 4 and tensors smaller than a bucket: the CPU chunked
-    kernel, the whole-buffer torch path and the reference agree exactly (norms too)."""
-    monkeypatch.setattr(qsgdkern, "CHUNK", 1000)
+    """Partial buckets, buckets not a multiple of 4 and tensors smaller than a bucket: the
+    compiled CPU kernel, the whole-buffer torch path, the fallback without numba and the
+    reference agree exactly (norms too)."""
     x = torch.randn(sum(seg), generator=torch.Generator().manual_seed(1))
     x[:bs] = 0.0  # a bucket of norm 0
     seeds = [11 * i + 5 for i in range(len(seg))]
-    got = {}
-    for fast in ("1", "0"):
+    expected = _reference_levels(x, seg, seeds, 5, bs)
+    for name, fast, jit in _paths(monkeypatch):
         monkeypatch.setenv("LOWCOMM_CPU_FAST", fast)
+        monkeypatch.setattr(qsgdkern, "_JIT", jit)
         q = Quantizer(levels=5, bucket_size=bs)
         q.seeds = seeds
-        got[fast] = q.compress(x, seg)[0]
-    assert torch.equal(got["1"][0], got["0"][0]) and torch.equal(got["1"][1], got["0"][1])
-    assert torch.equal(got["1"][0], _reference_levels(x, seg, seeds, 5, bs))
+        levels, norms = q.compress(x, seg)[0]
+        assert torch.equal(levels, expected), name
+        assert torch.equal(norms, qsgdkern.bucket_norms(x, qsgdkern.plan_of(seg, bs))), name
+
+
+def test_every_path_decodes_the_same_mean_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled decode adds the workers' products in the generic decode's order: three
+    workers' payloads average to the same bits on every path."""
+    seg, bs = [5000, 3, 1029], 64
+    payloads = []
+    for r in range(3):
+        q = Quantizer(levels=7, bucket_size=bs)
+        q.seeds = [100 * r + i for i in range(len(seg))]
+        payload, ctx = q.compress(torch.randn(sum(seg), generator=torch.Generator().manual_seed(r)), seg)
+        payloads.append(payload)
+    means = {}
+    for name, fast, jit in _paths(monkeypatch):
+        monkeypatch.setenv("LOWCOMM_CPU_FAST", fast)
+        monkeypatch.setattr(qsgdkern, "_JIT", jit)
+        means[name] = Quantizer(levels=7, bucket_size=bs).aggregate(payloads, ctx)
+    for name, mean in means.items():
+        assert torch.equal(mean, means["torch"]), name
+
+
+def _lowbias32(x: int) -> int:
+    """Wellons' lowbias32 on a Python int (the documented hash, written once more)."""
+    m = (1 << 32) - 1
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+def _word(i: int, k1: int, k2: int) -> int:
+    h = _lowbias32(_lowbias32((i // 2 + k1) & 0xFFFFFFFF) ^ k2)
+    return (h >> 16) if i & 1 else (h & 0xFFFF)
+
+
+def test_words_are_the_documented_hash_of_the_index_and_wrap_modulo_2_32() -> None:
+    """``w_i`` = the low (even ``i``) or high (odd ``i``) half of
+    ``H(H((i // 2 + k1) mod 2**32) xor k2)``, checked on Python integers, for keys whose
+    ``i // 2 + k1`` wraps past ``2**32`` inside the tensor, with buckets starting at odd
+    elements (torch and compiled paths)."""
+    seed = 77
+    k1, k2 = qsgdkern.keys(seed)
+    w = qsgdkern.words(seed, 1000)
+    assert w.tolist()[:51] == [_word(i, k1, k2) for i in range(51)]
+    jit = qsgdkern.compiled()
+    if jit is None:
+        pytest.skip("numba is not installed: the compiled kernel is not used here")
+    import numpy as np
+
+    n, bs, k1, k2 = 4095, 7, (1 << 32) - 1000, 12345  # 585 buckets; the pair index wraps at element 2000
+    x = torch.full((n,), 0.5)  # buckets of 7, every other one starting at an odd element
+    norms = torch.linalg.vector_norm(x.view(-1, bs), dim=1)
+    out = torch.empty(n, dtype=torch.int8)
+    starts, firsts = np.array([0, n], dtype=np.int64), np.array([0], dtype=np.int64)
+    jit.levels(x.numpy(), norms.numpy(), starts, firsts, np.array([k1]), np.array([k2]), bs, 127.0, out.numpy())
+    u = torch.tensor([_word(i, k1, k2) for i in range(n)]).to(torch.float32) * U_SCALE + U_OFFSET
+    y = x * (norms.reciprocal() * 127.0).repeat_interleave(bs)[:n]
+    assert torch.equal(out, torch.clamp(torch.floor(y + u), -127, 127).to(torch.int8))
 
 
 def test_uniforms_are_the_documented_16_bit_grid_reproducible_and_distinct_per_seed() -> None:
     u = uniforms(123, 100_003)
-    k = (u - U_OFFSET) / U_SCALE  # the signed 16-bit words
-    assert torch.equal(k, k.round()) and float(k.min()) >= -32768 and float(k.max()) <= 32767
+    k = (u - U_OFFSET) / U_SCALE  # the 16-bit words
+    assert torch.equal(k, k.round()) and float(k.min()) >= 0 and float(k.max()) <= 65535
     assert float(u.min()) > 0.0 and float(u.max()) < 1.0
     assert torch.equal(u, uniforms(123, 100_003))
     assert torch.equal(uniforms(123, 10), u[:10])  # a prefix of the same stream
     assert not torch.equal(uniforms(124, 1000), u[:1000])
     # the 2**16 values are about equally likely: a chi-square over 16 bins of 100003 draws
     # has mean 15 and sd sqrt(30); 80 is 12 sd above the mean
-    counts = torch.bincount(((k + 32768) // 4096).long(), minlength=16).double()
+    counts = torch.bincount((k // 4096).long(), minlength=16).double()
     assert float(((counts - counts.mean()) ** 2 / counts.mean()).sum()) < 80
 
 
@@ -96,19 +164,10 @@ def test_plan_merges_consecutive_whole_buckets_into_one_run() -> None:
     assert math.prod(plan.tail_src.shape) == 103
 
 
-@pytest.mark.parametrize("seg, bs, chunk", [([1000, 3000], 2**28, None), ([1000, 200], 64, 10**6)])
-def test_scratch_is_sized_by_the_data_not_by_the_bucket_or_chunk_size(
-        seg: list[int], bs: int, chunk: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One norm per tensor (a bucket far larger than the buffer), or chunks longer than any
-    tensor, must not ask for bucket- or chunk-sized work buffers: the encode's and the
-    aggregate's scratch stay within the data, and the levels and the mean are still the
-    documented ones."""
-    from lowcomm.compress import base
-
-    if chunk is not None:
-        monkeypatch.setattr(qsgdkern, "CHUNK", chunk)
-    monkeypatch.setattr(base._SCRATCH, "pool", {}, raising=False)
-    monkeypatch.setenv("LOWCOMM_CPU_FAST", "1")
+def test_a_bucket_larger_than_the_buffer_gives_the_documented_levels_and_mean() -> None:
+    """One norm per tensor (a bucket far larger than the buffer): the levels are the
+    documented ones and two equal payloads average to their decode."""
+    seg, bs = [1000, 3000], 2**28
     x = torch.randn(sum(seg), generator=torch.Generator().manual_seed(3))
     q = Quantizer(levels=5, bucket_size=bs)
     q.seeds = [7, 8]
@@ -118,7 +177,6 @@ def test_scratch_is_sized_by_the_data_not_by_the_bucket_or_chunk_size(
     # two equal payloads: their decode, up to the order of two float roundings per element
     eps = torch.finfo(torch.float32).eps
     torch.testing.assert_close(mean, q.decompress(payload, ctx), rtol=4 * eps, atol=0.0)
-    assert max(t.numel() for t in base._SCRATCH.pool.values()) <= sum(seg)
 
 
 def test_plans_are_kept_for_every_bucket_of_a_large_model() -> None:
@@ -127,3 +185,22 @@ def test_plans_are_kept_for_every_bucket_of_a_large_model() -> None:
     layouts = [[4096 + i] for i in range(qsgdkern.PLANS_KEPT)]
     plans = [qsgdkern.plan_of(seg, 512) for seg in layouts]
     assert all(qsgdkern.plan_of(seg, 512) is p for seg, p in zip(layouts, plans))
+
+
+def test_without_numba_one_warning_names_the_extra_and_the_encode_still_works(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setattr(qsgdkern, "_JIT", None)
+    import lowcomm.compress
+
+    monkeypatch.setitem(sys.modules, "lowcomm.compress.qsgdjit", None)  # import raises ImportError
+    monkeypatch.delattr(lowcomm.compress, "qsgdjit", raising=False)  # (once imported, also an attribute)
+    monkeypatch.setenv("LOWCOMM_CPU_FAST", "1")
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(4))
+    q = Quantizer(levels=5, bucket_size=64)
+    q.seeds = [9]
+    with pytest.warns(RuntimeWarning, match=r"lowcomm\[fast\]"):
+        levels = q.compress(x, [3000])[0][0]
+    assert torch.equal(levels, _reference_levels(x, [3000], [9], 5, 64))
+    assert qsgdkern.compiled() is None  # decided once: no second warning

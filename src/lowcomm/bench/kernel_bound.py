@@ -41,7 +41,10 @@ Per compressor (``S`` = one worker's payload bytes):
   rest): feedback ``V + 12 n_c + 8 n_c``; encode ``V + 12 n_c + 8 n_u + 4 n_c + 4 sum a r``
   (compensate in place, copy the uncompressed part, ``P = M Q``); decode ``16 n_c + 8 n_u``
   (``Q = M^T P`` reads ``M``; residual ``M - P Q^T`` reads ``M``, writes ``e``; the mean is
-  written). FLOPs: encode ``2 sum a b r``, decode ``4 sum a b r``.
+  written), plus ``8 n_c`` with momentum masking (on by default with the velocity: the sent
+  subspace ``F F^T u`` leaves the velocity, read and written once; its basis ``F = orth(P)``
+  exists only after the first all-reduce, so this pass cannot join the encode's).
+  FLOPs: encode ``2 sum a b r``, decode ``4 sum a b r`` (+ ``4 sum a b r`` for the masking).
 * ``acpsgd``: encode ``V + 12 n_c + 8 n_u + 4 n_c + 8 n_c`` (compensate, copy, one product,
   local residual), decode ``4 n_c + 8 n_u``; FLOPs encode ``4 sum a b r``, decode ``2 sum a b r``;
   feedback as powersgd.
@@ -151,6 +154,10 @@ def _velocity(codec_name: str, args: dict[str, Any]) -> bool:
     return bool(args.get("momentum_correction", codec_name in _VELOCITY_DEFAULT))
 
 
+def _masking(codec_name: str, args: dict[str, Any]) -> bool:
+    return _velocity(codec_name, args) and bool(args.get("momentum_masking", True))
+
+
 def kernel_bytes(codec_name: str, numel: int, *, world: int, tensors: int = 1, **codec_args: Any) -> dict[str, int]:
     """Bytes the ``encode``, ``decode`` (of ``world`` payloads) and ``feedback`` kernels must at
     least read and write for an fp32 buffer of ``numel`` elements (formulas: module docstring).
@@ -189,22 +196,24 @@ def kernel_bytes(codec_name: str, numel: int, *, world: int, tensors: int = 1, *
     n_c, n_u, p_elems, _ = _lowrank_parts(shapes, rank, float(codec_args.get("min_compression_rate", 2.0)))
     fb = v + 20 * n_c
     if codec_name == "powersgd":
-        return {"encode": v + 12 * n_c + 8 * n_u + 4 * n_c + 4 * p_elems, "decode": 16 * n_c + 8 * n_u,
+        mask = 8 * n_c if _masking(codec_name, codec_args) else 0
+        return {"encode": v + 12 * n_c + 8 * n_u + 4 * n_c + 4 * p_elems, "decode": 16 * n_c + 8 * n_u + mask,
                 "feedback": fb}
     return {"encode": v + 24 * n_c + 8 * n_u, "decode": 4 * n_c + 8 * n_u, "feedback": fb}
 
 
 def kernel_flops(codec_name: str, shapes: list[tuple[int, ...]], *, rank: int, world: int,
-                 min_compression_rate: float = 2.0) -> dict[str, float]:
+                 min_compression_rate: float = 2.0, masking: bool = True) -> dict[str, float]:
     """Matmul FLOPs of Power-SGD's / ACP-SGD's ``encode`` and ``decode``; ``{}`` for the others
     (their kernels do no matmul). ``world`` does not change them (the factors are summed by the
-    collective, not by a kernel); it is in the signature so every bound takes the same keys."""
+    collective, not by a kernel); it is in the signature so every bound takes the same keys.
+    ``masking``: Power-SGD's decode removes the sent subspace from the velocity (default on)."""
     _check_name(codec_name)
     if codec_name not in _LOWRANK:
         return {}
     _, _, _, abr = _lowrank_parts(shapes, rank, min_compression_rate)
     if codec_name == "powersgd":
-        return {"encode": 2 * abr, "decode": 4 * abr}
+        return {"encode": 2 * abr, "decode": (8 if masking else 4) * abr}
     return {"encode": 4 * abr, "decode": 2 * abr}
 
 
@@ -223,7 +232,8 @@ def compression_bound_s(codec_name: str, shapes: list[tuple[int, ...]], *, world
     flops: dict[str, float] = {}
     if flops_per_s is not None and codec_name in _LOWRANK:
         flops = kernel_flops(codec_name, shapes, rank=int(codec_args.get("rank", 4)), world=world,
-                             min_compression_rate=float(codec_args.get("min_compression_rate", 2.0)))
+                             min_compression_rate=float(codec_args.get("min_compression_rate", 2.0)),
+                             masking=_masking(codec_name, codec_args))
     total = 0.0
     for kernel in ("encode", "decode"):
         t = nbytes[kernel] / bandwidth

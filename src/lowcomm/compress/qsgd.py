@@ -32,8 +32,8 @@ same way, and averaging would not shrink the error at all). The arithmetic is fi
 a central reference reproduces every level bit for bit: in fp32,
 ``norm = torch.linalg.vector_norm(bucket)`` (the bucket zero-padded), ``scale = s / norm``
 (0 in a bucket of norm 0), ``u = lowcomm.compress.qsgdkern.uniforms(seed, numel)`` (16-bit
-words of PCG64 on a CPU tensor, of the device's generator otherwise, as
-``(k + 1/2) / 2**16``), ``level = clamp(floor(v * scale + u), -s, s)`` (dithered rounding:
+words of a counter-based integer hash of ``(seed, element index)``, the same on every device,
+as ``(w + 1/2) / 2**16``), ``level = clamp(floor(v * scale + u), -s, s)`` (dithered rounding:
 the same law as ``sign(v_i) * xi_i``; clamped because rounding may put ``r`` a hair above
 ``s``). Unbiased to a resolution of ``2**-16`` of a level (``u`` takes 2**16 values; see
 :mod:`lowcomm.compress.qsgdkern`, which also says why these choices are fast).
@@ -52,7 +52,7 @@ from lowcomm.compress.base import Compressor, cpu_fast
 from lowcomm.compress.codec import Layout, Work, register_codec
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_start
-from lowcomm.compress.qsgdkern import bucket_norms, mean_cpu, plan_of, quantize_cpu, quantize_torch
+from lowcomm.compress.qsgdkern import bucket_norms, compiled, mean_cpu, plan_of, quantize_cpu, quantize_torch
 from lowcomm.errors import MAX_COUNT, UsageError
 
 #: most levels an int8 ``sign * xi`` can carry
@@ -77,8 +77,9 @@ class Quantizer(Compressor):
 
     :attr:`seeds` (one per segment) is set by the codec before each encode; without it the
     segments are seeded as tensors ``0, 1, ...`` at step 0 (the profiler's case). The
-    kernels are in :mod:`lowcomm.compress.qsgdkern` (CPU: in-cache chunks; device tensors:
-    whole-buffer torch ops, no host reads; the same bits on a CPU tensor).
+    kernels are in :mod:`lowcomm.compress.qsgdkern` (CPU: one compiled pass where numba is
+    installed; device tensors and CPU without numba: whole-buffer torch ops, no host reads;
+    the same bits on either path).
     """
 
     def __init__(self, levels: int = MAX_LEVELS, bucket_size: int = 512) -> None:
@@ -96,12 +97,9 @@ class Quantizer(Compressor):
         x = flat.to(torch.float32).contiguous()
         plan = plan_of(seg, self.bucket_size)
         s = float(self.levels)
-        if cpu_fast(x):
-            levels = torch.empty(x.numel(), dtype=torch.int8)
-            norms = torch.empty(plan.buckets, dtype=torch.float32)
-            quantize_cpu(x, plan, seeds, s, levels, norms)
-        else:
-            norms = bucket_norms(x, plan)
+        norms = bucket_norms(x, plan)
+        levels = torch.empty(x.numel(), dtype=torch.int8) if cpu_fast(x) else None
+        if levels is None or not quantize_cpu(x, plan, seeds, s, levels, norms):
             scale = torch.where(norms > 0, s / norms, torch.zeros((), device=x.device))
             levels = quantize_torch(x, plan, scale, seeds, s)
         return [levels, norms], (flat.numel(), flat.dtype, seg)
@@ -133,7 +131,7 @@ class Quantizer(Compressor):
 
     @staticmethod
     def _fast(payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> bool:
-        return ctx[1] == torch.float32 and ctx[0] > 0 and cpu_fast(payloads[0][0])
+        return ctx[1] == torch.float32 and ctx[0] > 0 and cpu_fast(payloads[0][0]) and compiled() is not None
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         """For one tensor: one byte per element plus 4 per bucket."""

@@ -1,18 +1,22 @@
 """QSGD's kernels: the uniforms, the bucket plan of a fused buffer, and the CPU encode/decode.
 
 Why a module of its own: :mod:`lowcomm.compress.qsgd` states the quantizer and its contract;
-this is how it is computed fast. On the CPU (issue 18) the old encode spent most of its time
-in ``torch.rand`` (a Mersenne twister, ~6 ns per float) and in full-size passes over the
-buffer, one per operation. Here:
+this is how it is computed fast. On the CPU (issue 18) the first encode spent most of its
+time in ``torch.rand`` (a Mersenne twister, ~6 ns per float) and the second in PCG64's words
+(~1 ns each) and one pass per operation. Here:
 
-* **Uniforms at 16-bit resolution from PCG64.** ``u_i = (k_i + 1/2) / 2**16`` where the
-  ``k_i`` are the 16-bit words, little-endian, of numpy's PCG64 ``random_raw`` (4 per 64-bit
-  output; ~1 ns per element, 6x cheaper than ``torch.rand``). Each tensor has its own
-  generator, seeded by :func:`pcg_state` of its :func:`~lowcomm.compress.qsgd.draw_seed`,
-  so the draw does not depend on how tensors are fused. Device tensors (CUDA) draw the
-  ``k_i`` with ``torch.randint`` from a generator on their device (no host round-trip); CPU
-  tensors always use PCG64, on the fast path and on the device path alike (numpy writes
-  fresh numbers, it reads no tensor), so the two CPU paths agree bit for bit.
+* **Counter-based uniforms, the same on every device.** Elements ``2j`` and ``2j + 1`` of
+  a tensor (counted from the tensor's start) get the low and the high 16 bits of
+  ``h_j = H(H((j + k1) mod 2**32) xor k2)``, with ``H`` Wellons' ``lowbias32`` integer hash
+  (a bijection of 32-bit words with strong avalanche) and ``(k1, k2)`` the two halves of
+  splitmix64 of the tensor's :func:`~lowcomm.compress.qsgd.draw_seed`; then
+  ``u_i = (w_i + 1/2) / 2**16``. No generator state: a word is a function of ``(seed, i)``,
+  so it does not depend on fusion or chunking, any piece can be drawn alone, and CPU and
+  CUDA draw the same words (torch integer operations on a device; a compiled loop on the
+  CPU). For one key pair ``H`` is a bijection, so over all ``j`` every 32-bit value occurs
+  once and each half is exactly uniform. One hash per two elements because the hash is
+  most of the encode's arithmetic. Not a cryptographic generator: dithering needs uniform,
+  decorrelated words, not secrecy.
 * **Dithered rounding.** ``level = clamp(floor(v * scale + u), -s, s)`` with
   ``scale = s / norm``: for ``y = v * scale``, ``floor(y + u)`` is ``floor(y) + 1`` with
   probability ``y - floor(y)``, which for either sign is QSGD's ``sign(v) * xi`` (``xi``
@@ -20,31 +24,33 @@ buffer, one per operation. Here:
   compare passes. ``u`` takes 2**16 values, so ``E[level] = y`` up to ``2**-17`` of a level
   (and the fp32 sum ``y + u`` rounds at most at ``2**-17`` for ``|y| < 128``): unbiased to
   a resolution of ``2**-16`` of a level, ``norm / (s * 2**16)`` of a gradient entry.
-* **Buckets by plan, passes in cache.** Per layout a cached :class:`Plan` lists the runs of
-  whole buckets (consecutive tensors that fill whole buckets form one run: one norm call)
-  and the partial buckets (gathered together: one norm call for all). The levels are formed
-  chunk by chunk (:data:`CHUNK` elements: uniforms, product, sum, floor, clamp and the int8
-  cast while the chunk is in cache); the decode adds the P payloads chunk by chunk.
+* **One fused pass on the CPU** (:mod:`lowcomm.compress.qsgdjit`, numba): the bucket norms
+  come from ``torch.linalg.vector_norm`` on every path (one summation order, so one set of
+  bits), then each element is drawn, scaled, rounded and cast in one compiled loop; the
+  decode adds the P payloads bucket by bucket. Without numba, and for device tensors,
+  whole-buffer torch operations compute the same bits (:func:`quantize_torch`).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
 
-from lowcomm.compress.base import scratch
-
-#: elements per in-cache chunk of the CPU kernels (a multiple of 4: whole PCG64 outputs)
-CHUNK = 1 << 18
-#: ``u = k * 2**-16 + U_OFFSET`` for the signed 16-bit word ``k``: ``(k + 32768 + 1/2) / 2**16``
+#: ``u = w * U_SCALE + U_OFFSET`` for the unsigned 16-bit word ``w``: ``(w + 1/2) / 2**16``
 U_SCALE = 2.0**-16
-U_OFFSET = 0.5 + 2.0**-17
+U_OFFSET = 2.0**-17
+_M32 = (1 << 32) - 1
 _M64 = (1 << 64) - 1
+#: the multipliers of ``lowbias32`` (also in :mod:`lowcomm.compress.qsgdjit`)
+_MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
 
 
 def _splitmix64(z: int) -> int:
@@ -55,46 +61,58 @@ def _splitmix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def pcg_state(seed: int) -> dict[str, object]:
-    """The PCG64 state of one tensor's draw: 128-bit state and (odd) increment from four
-    splitmix64 outputs of ``seed``. Why not ``PCG64(seed)``: its SeedSequence costs ~25 us,
-    per tensor and step; this costs ~2 us and still gives distinct seeds distinct streams."""
-    a, b, c, d = (_splitmix64(seed + i * 0x632BE59BD9B4E019) for i in range(4))
-    return {"bit_generator": "PCG64", "state": {"state": (a << 64) | b, "inc": ((c << 64) | d) | 1},
-            "has_uint32": 0, "uinteger": 0}
+def keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of one tensor's words: the halves of splitmix64 of ``seed``."""
+    z = _splitmix64(seed)
+    return z & _M32, z >> 32
 
 
-class Draw:
-    """One tensor's 16-bit words, drawn in order in pieces of whole PCG64 outputs."""
+def _lowbias32_(h: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` in place on int64 words below ``2**32`` (products masked to 32 bits: the
+    int64 product may wrap, its low 32 bits are still exact)."""
+    h.bitwise_xor_(h >> 16).mul_(_MUL1).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15).mul_(_MUL2).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
 
-    _local = threading.local()
 
-    def __init__(self, seed: int) -> None:
-        bg = getattr(Draw._local, "bg", None)
-        if bg is None:
-            bg = Draw._local.bg = np.random.PCG64(0)
-        bg.state = pcg_state(seed)
-        self.bg = bg
-
-    def words(self, count: int) -> torch.Tensor:
-        """The next ``count`` words as int16 (``count`` a multiple of 4 except the last piece)."""
-        raw = self.bg.random_raw(-(-count // 4))
-        return torch.from_numpy(raw.view(np.int16)[:count])
+def words(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16-bit words ``w_0 .. w_{n-1}`` of one tensor drawn with ``seed`` (int64), with
+    torch operations on ``device`` and scalar keys (no host-to-device copy, no sync): hash
+    ``j`` gives the words of elements ``2j`` (its low half) and ``2j + 1`` (its high half)."""
+    k1, k2 = keys(seed)
+    h = torch.arange((n + 1) // 2, dtype=torch.int64, device=device).add_(k1).bitwise_and_(_M32)
+    h = _lowbias32_(_lowbias32_(h).bitwise_xor_(k2))
+    return torch.stack((h & 0xFFFF, h >> 16), dim=1).reshape(-1)[:n]
 
 
 def uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``n`` fp32 uniforms of one tensor drawn with ``seed`` (the reference's form)."""
-    k = _words(seed, n, torch.device(device))
-    return torch.mul(k.to(torch.float32), U_SCALE).add_(U_OFFSET)
+    return words(seed, n, device).to(torch.float32).mul_(U_SCALE).add_(U_OFFSET)
 
 
-def _words(seed: int, n: int, device: torch.device) -> torch.Tensor:
-    """``n`` signed 16-bit words: PCG64 on the CPU, the device's generator elsewhere."""
-    if device.type == "cpu":
-        return Draw(seed).words(n)
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return torch.randint(-32768, 32768, (n,), generator=g, device=device, dtype=torch.int16)
+def compiled() -> ModuleType | None:
+    """The numba kernels (:mod:`lowcomm.compress.qsgdjit`), or ``None`` without numba (or on a
+    big-endian machine, where the kernels' 16-bit view of a hash would swap its halves); then
+    one warning says that CPU tensors take the torch path, and what to install."""
+    global _JIT
+    if _JIT is None:
+        found: ModuleType | bool = False
+        try:
+            if sys.byteorder == "little":
+                from lowcomm.compress import qsgdjit
+                found = qsgdjit
+        except ImportError:
+            pass
+        if not found:
+            warnings.warn("qsgd: no compiled CPU kernels (they need numba, on a little-endian "
+                          "machine), so the CPU encode and decode run as torch operations: the "
+                          "same results, a slower encode; pip install 'lowcomm[fast]'",
+                          RuntimeWarning, stacklevel=2)
+        _JIT = found
+    return _JIT if isinstance(_JIT, ModuleType) else None
+
+
+_JIT: ModuleType | bool | None = None
 
 
 @dataclass
@@ -105,7 +123,9 @@ class Plan:
     ``tensors``: ``(offset, numel, first bucket)`` of each tensor; ``tail_src``: the elements
     of the partial buckets, in order; ``tail_dst``: their places in a ``(tails, bucket)``
     zero-padded matrix; ``tail_bucket``: the bucket of each partial bucket and ``tail_of``:
-    of each of its elements; ``counts``: the elements of every bucket."""
+    of each of its elements; ``counts``: the elements of every bucket; ``starts``: the
+    tensors' offsets and the buffer's end, ``firsts``: each tensor's first bucket (int64
+    numpy arrays, for the compiled kernels)."""
 
     bucket_size: int
     numel: int
@@ -117,6 +137,8 @@ class Plan:
     tail_bucket: torch.Tensor
     tail_of: torch.Tensor
     counts: torch.Tensor
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    firsts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     _on: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
     _pinned: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -168,8 +190,10 @@ class Plan:
         cat = lambda parts: torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))  # noqa: E731
         counts = np.full(first, bs, dtype=np.int64)
         counts[tb] = [n % bs for n in seg if n % bs]
+        starts = np.array([t[0] for t in tensors] + [off], dtype=np.int64)
+        firsts = np.array([t[2] for t in tensors], dtype=np.int64)
         return cls(bs, off, first, runs, tensors, cat(src), cat(dst), torch.tensor(tb, dtype=torch.int64), cat(of),
-                   torch.from_numpy(counts))
+                   torch.from_numpy(counts), starts, firsts)
 
 
 _PLANS: OrderedDict[tuple[tuple[int, ...], int], Plan] = OrderedDict()
@@ -217,73 +241,32 @@ def _tail_norms(x: torch.Tensor, plan: Plan, norms: torch.Tensor) -> None:
         norms.index_copy_(0, ix["tail_bucket"], torch.linalg.vector_norm(pad.view(-1, bs), dim=1))
 
 
-def _scale(norms: torch.Tensor, s: float) -> torch.Tensor:
-    """``s / norm``, 0 where the norm is 0 (the documented expression, on any slice)."""
-    return torch.where(norms > 0, s / norms, torch.zeros((), device=norms.device))
-
-
 def _levels_into(y: torch.Tensor, u: torch.Tensor, s: float, out: torch.Tensor) -> None:
     """``out <- int8(clamp(floor(y + u), -s, s))`` (``y`` overwritten)."""
     out.copy_(y.add_(u).floor_().clamp_(-s, s))
 
 
-def _u_into(k: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``u <- k * 2**-16 + (1/2 + 2**-17)`` (exact in fp32)."""
-    return u.copy_(k).mul_(U_SCALE).add_(U_OFFSET)
-
-
 def quantize_cpu(x: torch.Tensor, plan: Plan, seeds: Sequence[int], s: float, out: torch.Tensor,
-                 norms: torch.Tensor) -> None:
-    """Levels of the flat fp32 CPU ``x`` into int8 ``out`` and bucket norms into ``norms``,
-    chunk by chunk in cache (``x`` is read from memory once: each chunk's norms, scales and
-    levels while it is there); each tensor draws its words in order from its seed, its
-    partial bucket's go to a side buffer and all partial buckets are finished together."""
-    bs = plan.bucket_size
-    ntail = plan.tail_src.numel()
-    _tail_norms(x, plan, norms)
-    tail_k = scratch("qsgd.tail_k", ntail, torch.int16)
-    tpos = 0
-    step = max(1, CHUNK // bs) * bs
-    step += (-step) % (4 * bs) if step % 4 else 0  # whole PCG64 outputs per chunk
-    longest = max(((n // bs) * bs for _, n, _ in plan.tensors), default=0)
-    if longest <= step:  # every tensor is one chunk, its last (no alignment needed): no larger scratch
-        step = max(1, longest)
-    u = scratch("qsgd.u", step, torch.float32)
-    y = scratch("qsgd.y", step, torch.float32)
-    for (off, n, b0), seed in zip(plan.tensors, seeds):
-        draw = Draw(seed)
-        whole = (n // bs) * bs
-        for a in range(0, whole, step):
-            m = min(step, whole - a)
-            last = a + m == whole
-            k = draw.words(m + (n - whole if last else 0))
-            if last and n > whole:
-                tail_k[tpos : tpos + n - whole].copy_(k[m:])
-                tpos += n - whole
-            nb, bb = m // bs, b0 + a // bs
-            xv = x[off + a : off + a + m].view(nb, bs)
-            nv = torch.linalg.vector_norm(xv, dim=1, out=norms[bb : bb + nb])
-            yy = torch.mul(xv, _scale(nv, s)[:, None], out=y[:m].view(nb, bs))
-            _levels_into(yy.view(-1), _u_into(k[:m], u[:m]), s, out[off + a : off + a + m])
-        if whole == 0 and n:
-            tail_k[tpos : tpos + n].copy_(draw.words(n))
-            tpos += n
-    if ntail:
-        scale = _scale(norms.index_select(0, plan.tail_bucket), s)
-        yt = torch.mul(x.index_select(0, plan.tail_src), scale[plan.tail_of])
-        ut = _u_into(tail_k, torch.empty(ntail, dtype=torch.float32))
-        lv = torch.empty(ntail, dtype=torch.int8)
-        _levels_into(yt, ut, s, lv)
-        out.index_copy_(0, plan.tail_src, lv)
+                 norms: torch.Tensor) -> bool:
+    """Levels of the flat fp32 CPU ``x`` into int8 ``out`` by the compiled kernel, given the
+    bucket ``norms`` (:func:`bucket_norms`); ``False`` (nothing written) without numba."""
+    jit = compiled()
+    if jit is None:
+        return False
+    pairs = [keys(seed) for seed in seeds]
+    k1 = np.array([k for k, _ in pairs], dtype=np.int64)
+    k2 = np.array([k for _, k in pairs], dtype=np.int64)
+    jit.levels(x.numpy(), norms.numpy(), plan.starts, plan.firsts, k1, k2, plan.bucket_size, s, out.numpy())
+    return True
 
 
 def quantize_torch(x: torch.Tensor, plan: Plan, scale: torch.Tensor, seeds: Sequence[int], s: float) -> torch.Tensor:
     """The same levels with whole-buffer torch ops (device tensors; no host reads): the same
     elementwise arithmetic, so on a CPU tensor the same bits as :func:`quantize_cpu`."""
     dev = x.device
-    k = torch.cat([_words(sd, n, dev) for (_, n, _), sd in zip(plan.tensors, seeds)]) if plan.tensors \
-        else torch.zeros(0, dtype=torch.int16, device=dev)
-    u = _u_into(k, torch.empty(plan.numel, dtype=torch.float32, device=dev))
+    u = torch.empty(plan.numel, dtype=torch.float32, device=dev)
+    for (off, n, _), sd in zip(plan.tensors, seeds):  # int64 words one tensor at a time
+        u[off : off + n].copy_(words(sd, n, dev)).mul_(U_SCALE).add_(U_OFFSET)
     per = torch.repeat_interleave(scale, plan.on(dev)["counts"], output_size=plan.numel)  # no sync
     y = torch.mul(x, per)
     out = torch.empty(plan.numel, dtype=torch.int8, device=dev)
@@ -291,31 +274,14 @@ def quantize_torch(x: torch.Tensor, plan: Plan, scale: torch.Tensor, seeds: Sequ
     return out
 
 
-def mean_cpu(payloads: Sequence[Sequence[torch.Tensor]], plan: Plan, s: float, out: torch.Tensor) -> None:
-    """``out <-`` the mean over workers of ``level * (norm / s)``: per element the generic
-    decode's operations in the same order (worker 0's product, then each next worker's
-    product added, then the division by P), chunk by chunk so ``out`` stays in cache."""
-    bs, world = plan.bucket_size, len(payloads)
-    steps = [norms / s for _, norms in payloads]
-    per = min(max(1, CHUNK // bs), max((nb for _, _, nb in plan.runs), default=0))  # no larger than the longest run
-    tmp = scratch("qsgd.dec", per * bs, torch.float32)
-    for e0, b0, nb_run in plan.runs:
-        for c in range(0, nb_run, per):
-            nb = min(per, nb_run - c)
-            a, z = e0 + c * bs, e0 + (c + nb) * bs
-            o = out[a:z].view(nb, bs)
-            t = tmp[: nb * bs].view(nb, bs)
-            for p, (levels, _) in enumerate(payloads):
-                st = steps[p][b0 + c : b0 + c + nb, None]
-                if p == 0:
-                    torch.mul(t.copy_(levels[a:z].view(nb, bs)), st, out=o)
-                else:
-                    o.add_(t.copy_(levels[a:z].view(nb, bs)).mul_(st))
-            o.div_(world)
-    if plan.tail_src.numel():
-        acc = torch.empty(plan.tail_src.numel(), dtype=torch.float32)
-        for p, (levels, _) in enumerate(payloads):
-            st = steps[p].index_select(0, plan.tail_bucket)[plan.tail_of]
-            v = levels.index_select(0, plan.tail_src).to(torch.float32).mul_(st)
-            acc = v if p == 0 else acc.add_(v)
-        out.index_copy_(0, plan.tail_src, acc.div_(world))
+def mean_cpu(payloads: Sequence[Sequence[torch.Tensor]], plan: Plan, s: float, out: torch.Tensor) -> bool:
+    """``out <-`` the mean over workers of ``level * (norm / s)`` by the compiled kernel: per
+    element the generic decode's operations in the same order (worker 0's product, then each
+    next worker's product added, then the division by P); ``False`` without numba."""
+    jit = compiled()
+    if jit is None:
+        return False
+    levels = tuple(lv.contiguous().numpy() for lv, _ in payloads)
+    steps = tuple((norms / s).numpy() for _, norms in payloads)
+    jit.mean(levels, steps, plan.starts, plan.firsts, plan.bucket_size, out.numpy())
+    return True
