@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lowcomm.compress import qsgdkern
+from lowcomm.compress import native, qsgdkern
 from lowcomm.compress.qsgd import Quantizer
 from lowcomm.compress.qsgdkern import U_OFFSET, U_SCALE, uniforms
 
@@ -29,11 +29,12 @@ def _reference_levels(x: torch.Tensor, seg: list[int], seeds: list[int], s: int,
 
 
 def _paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, object]]:
-    """(name, LOWCOMM_CPU_FAST, qsgdkern._JIT) of the CPU compiled path, the torch path that
-    device tensors take, and the CPU fast setting on a machine without numba."""
-    paths: list[tuple[str, str, object]] = [("torch", "0", None), ("no numba", "1", False)]
-    if qsgdkern.compiled() is not None:
-        paths.append(("compiled", "1", None))
+    """(name, LOWCOMM_CPU_FAST, the loaded kernel module) of the CPU compiled path, the torch
+    path that device tensors take, and the CPU fast setting on a machine without numba."""
+    jit = qsgdkern.compiled()
+    paths: list[tuple[str, str, object]] = [("torch", "0", jit), ("no numba", "1", None)]
+    if jit is not None:
+        paths.append(("compiled", "1", jit))
     return paths
 
 
@@ -50,7 +51,7 @@ def test_every_path_gives_the_documented_levels_bit_for_bit(
     expected = _reference_levels(x, seg, seeds, 5, bs)
     for name, fast, jit in _paths(monkeypatch):
         monkeypatch.setenv("LOWCOMM_CPU_FAST", fast)
-        monkeypatch.setattr(qsgdkern, "_JIT", jit)
+        monkeypatch.setitem(native._LOADED, "qsgdjit", jit)
         q = Quantizer(levels=5, bucket_size=bs)
         q.seeds = seeds
         levels, norms = q.compress(x, seg)[0]
@@ -71,7 +72,7 @@ def test_every_path_decodes_the_same_mean_bit_for_bit(monkeypatch: pytest.Monkey
     means = {}
     for name, fast, jit in _paths(monkeypatch):
         monkeypatch.setenv("LOWCOMM_CPU_FAST", fast)
-        monkeypatch.setattr(qsgdkern, "_JIT", jit)
+        monkeypatch.setitem(native._LOADED, "qsgdjit", jit)
         means[name] = Quantizer(levels=7, bucket_size=bs).aggregate(payloads, ctx)
     for name, mean in means.items():
         assert torch.equal(mean, means["torch"]), name
@@ -191,7 +192,7 @@ def test_without_numba_one_warning_names_the_extra_and_the_encode_still_works(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    monkeypatch.setattr(qsgdkern, "_JIT", None)
+    monkeypatch.delitem(native._LOADED, "qsgdjit", raising=False)
     import lowcomm.compress
 
     monkeypatch.setitem(sys.modules, "lowcomm.compress.qsgdjit", None)  # import raises ImportError

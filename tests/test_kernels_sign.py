@@ -15,11 +15,22 @@ import torch
 
 from tolerance import assert_close_eps
 from lowcomm.compress import ErrorFeedback, MajoritySign, Momentum, ScaledSign, pack_signs, unpack_signs
+from lowcomm.compress import native
 from lowcomm.compress.cast import CastCodec
 from lowcomm.compress.codec import Layout, codec_class
 from lowcomm.compress.feedback import finite_flag, keep_where_, poison_
 
 SEGS = [[13], [5, 8, 1, 100], [3, 3, 3, 3, 3, 3, 3, 3, 3, 6]]
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def sign_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test twice: with the compiled lookups (numba) and with the numpy ones a machine
+    without numba runs; both must give the reference's bits."""
+    if request.param == "numpy":
+        monkeypatch.setitem(native._LOADED, "signjit", None)
+    elif native.load("signjit") is None:
+        pytest.skip("numba is not installed: the compiled sign kernels are not used here")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

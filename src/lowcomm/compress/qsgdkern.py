@@ -33,9 +33,7 @@ time in ``torch.rand`` (a Mersenne twister, ~6 ns per float) and the second in P
 
 from __future__ import annotations
 
-import sys
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +41,8 @@ from types import ModuleType
 
 import numpy as np
 import torch
+
+from lowcomm.compress import native
 
 #: ``u = w * U_SCALE + U_OFFSET`` for the unsigned 16-bit word ``w``: ``(w + 1/2) / 2**16``
 U_SCALE = 2.0**-16
@@ -91,28 +91,11 @@ def uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Ten
 
 
 def compiled() -> ModuleType | None:
-    """The numba kernels (:mod:`lowcomm.compress.qsgdjit`), or ``None`` without numba (or on a
-    big-endian machine, where the kernels' 16-bit view of a hash would swap its halves); then
-    one warning says that CPU tensors take the torch path, and what to install."""
-    global _JIT
-    if _JIT is None:
-        found: ModuleType | bool = False
-        try:
-            if sys.byteorder == "little":
-                from lowcomm.compress import qsgdjit
-                found = qsgdjit
-        except ImportError:
-            pass
-        if not found:
-            warnings.warn("qsgd: no compiled CPU kernels (they need numba, on a little-endian "
-                          "machine), so the CPU encode and decode run as torch operations: the "
-                          "same results, a slower encode; pip install 'lowcomm[fast]'",
-                          RuntimeWarning, stacklevel=2)
-        _JIT = found
-    return _JIT if isinstance(_JIT, ModuleType) else None
+    """The numba kernels (:mod:`lowcomm.compress.qsgdjit`), or ``None`` without numba (then
+    CPU tensors take the torch path; :func:`lowcomm.compress.native.load` warns once)."""
+    return native.load("qsgdjit")
 
 
-_JIT: ModuleType | bool | None = None
 
 
 @dataclass

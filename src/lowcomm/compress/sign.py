@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lowcomm.compress import signbits
+from lowcomm.compress import native, signbits
 from lowcomm.compress.base import Compressor, cpu_fast, scratch
 from lowcomm.compress.codec import Layout, Work, register_codec
 from lowcomm.compress.feedback import Direct, Momentum, ParamStore
@@ -120,6 +120,13 @@ class ScaledSign(Compressor):
         subtraction into ``out`` (two passes, bit-identical to the generic form)."""
         numel, dtype = ctx[0], ctx[1]
         if _cpu(comp, payload[0]) and numel:
+            jit = native.load("signjit") if dtype == torch.float32 == comp.dtype else None
+            if jit is not None and (out is None or signbits.usable(out, dtype, numel)):
+                table = signbits.sum_table([payload[1]], dtype)[:, :2].contiguous()  # -scale, +scale
+                res = torch.empty(numel, dtype=dtype) if out is None else out
+                jit.table_residual(comp.reshape(-1).numpy(), payload[0].reshape(-1).numpy(), table.numpy(),
+                                   signbits.starts(ctx[2]), res.reshape(-1).numpy())
+                return res
             dec = self._mean_cpu([payload], ctx, scratch("sign.decoded", numel, dtype))
             return torch.sub(comp.reshape(-1), dec, out=out)
         return super().residual(comp, payload, ctx, out)

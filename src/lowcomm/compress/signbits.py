@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from lowcomm.compress import native
 from lowcomm.compress.base import scratch
 
 _BITS = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
@@ -103,6 +104,8 @@ def decode(table: torch.Tensor, packed: Sequence[torch.Tensor], seg: Sequence[in
     (or added), plus the index base, then one gather (``index_select``); or, for codes of 4
     bits, :class:`_Pairs` (bit-identical: the pair table holds the same floats)."""
     result = torch.empty(numel, dtype=table.dtype) if out is None else out
+    if compiled_decode(table, packed, seg, result, count=count):
+        return result
     flat = table.reshape(-1)
     arrays = [p.reshape(-1).numpy() for p in packed]
     # two elements per lookup, in a table of float32 pairs, when the codes fit in 4 bits: sign
@@ -131,6 +134,28 @@ def decode(table: torch.Tensor, packed: Sequence[torch.Tensor], seg: Sequence[in
         np.add(base[e0:e1], codes[: e1 - e0], out=idx.numpy())
         torch.index_select(flat, 0, idx, out=result[e0:e1])
     return result
+
+
+def starts(seg: Sequence[int]) -> np.ndarray:
+    """The segments' first elements and the buffer's end (int64), for the compiled kernels."""
+    return np.concatenate(([0], np.cumsum(seg, dtype=np.int64))).astype(np.int64)
+
+
+def compiled_decode(table: torch.Tensor, packed: Sequence[torch.Tensor], seg: Sequence[int],
+                    result: torch.Tensor, *, count: bool) -> bool:
+    """:func:`decode` by the compiled kernel (:func:`lowcomm.compress.signjit.table_decode`)
+    where numba is installed, the table and the result are float32 and the codes fit a byte
+    (at most 8 patterns' payloads, fewer than 256 counted ones); ``False`` (nothing written)
+    otherwise. The same lookups, so the same bits."""
+    if table.dtype != torch.float32 or result.dtype != torch.float32 or not result.is_contiguous() \
+            or len(packed) > (255 if count else GROUP):
+        return False
+    jit = native.load("signjit")
+    if jit is None:
+        return False
+    rows = np.stack([p.reshape(-1).numpy() for p in packed])  # (P, bytes): P / 8 bytes per element
+    jit.table_decode(rows, table.contiguous().numpy(), starts(seg), count, result.reshape(-1).numpy())
+    return True
 
 
 def _pair_lut(weight: int) -> torch.Tensor:
@@ -275,6 +300,8 @@ def vote(packed: Sequence[torch.Tensor], scales: torch.Tensor, seg: Sequence[int
     by the segment's scale. Bit-identical to the generic path: the same float32 products of
     -1, 0 or +1 and the scale."""
     world = len(packed)
+    if compiled_decode(vote_table(scales, world, torch.float32), packed, seg, out, count=True):
+        return out
     arrays = [p.reshape(-1).numpy() for p in packed]
     rn = out.numpy()
     scale = scales.to(torch.float32).numpy()
