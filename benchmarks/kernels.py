@@ -85,15 +85,21 @@ def timed(fn: Callable[[], float | None], setup: Callable[[], Any], reps: int) -
     return statistics.median(samples)
 
 
-def compressing(codec: Codec) -> Codec:
-    """``codec`` at its first compressed step: the kernels of a step past the ``start_iter``
-    warm-up (during it the transports send a plain all-reduce and a codec may take another
-    path, e.g. acpsgd's velocity is not fused into its encode). Returns ``codec``."""
-    codec.step = codec.start_iter
+def compressing(codec: Codec, offset: int = 0) -> Codec:
+    """``codec`` at its first compressed step (plus ``offset``): the kernels of a step past the
+    ``start_iter`` warm-up (during it the transports send a plain all-reduce and a codec may take
+    another path, e.g. acpsgd's velocity is not fused into its encode). Returns ``codec``."""
+    codec.step = codec.start_iter + offset
     return codec
 
 
-def stateless(cls: type[Codec], world: int) -> Codec:
+def step_offsets(cls: type[Codec]) -> tuple[int, ...]:
+    """The compressed steps timed: two consecutive ones for a codec whose steps alternate
+    (ACP-SGD's P- and Q-steps run different kernels; the figure is their mean), else one."""
+    return (0, 1) if hasattr(cls, "p_step") else (0,)
+
+
+def stateless(cls: type[Codec], world: int, offset: int = 0) -> Codec:
     """The codec with its state off: no error feedback, no velocity, no Signum momentum."""
     opts = cls.Options()
     changes = {f: False for f in ("error_feedback", "momentum_correction")
@@ -101,7 +107,7 @@ def stateless(cls: type[Codec], world: int) -> Codec:
     codec = cls(dataclasses.replace(opts, **changes) if changes else opts, world=world)
     if isinstance(codec, PayloadCodec) and type(codec.encoder) is not Direct:
         codec.encoder = Direct(codec.compressor, store=codec.memory)
-    return compressing(codec)
+    return compressing(codec, offset)
 
 
 def time_encode(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Tensor, reps: int) -> float:
@@ -114,8 +120,8 @@ def time_encode(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Ten
 
 
 def time_decode(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.Tensor, world: int,
-                reps: int) -> float:
-    codec = compressing(cls(world=world).as_trained())
+                reps: int, offset: int = 0) -> float:
+    codec = compressing(cls(world=world).as_trained(), offset)
     buf, out = torch.empty_like(x), torch.empty_like(x)
     state: dict[str, Message] = {}
 
@@ -164,16 +170,18 @@ def measure(model: str, names: list[str], worlds: list[int], reps: int, bandwidt
         enc_world = worlds[0]
         nb = kernel_bytes(name, numel, world=enc_world, shapes=shapes)
         fl = kernel_flops(name, shapes, rank=4, world=enc_world)
-        full = time_encode(compressing(cls(world=enc_world).as_trained()), x, layout, finite, reps)
+        offsets = step_offsets(cls)
+        full = statistics.mean(time_encode(compressing(cls(world=enc_world).as_trained(), o), x, layout, finite, reps)
+                               for o in offsets)
         rows.append(row(name, "encode", model, enc_world, full, nb["encode"], fl.get("encode", 0.0),
                         bandwidth, flop_rate, numel))
         if nb["feedback"]:
-            bare = time_encode(stateless(cls, enc_world), x, layout, finite, reps)
+            bare = statistics.mean(time_encode(stateless(cls, enc_world, o), x, layout, finite, reps) for o in offsets)
             rows.append(row(name, "feedback", model, enc_world, max(0.0, full - bare), nb["feedback"], 0.0,
                             bandwidth, flop_rate, numel))
         for w in worlds:
             nbw = kernel_bytes(name, numel, world=w, shapes=shapes)
-            dec = time_decode(cls, x, layout, finite, w, reps)
+            dec = statistics.mean(time_decode(cls, x, layout, finite, w, reps, o) for o in offsets)
             rows.append(row(name, "decode", model, w, dec, nbw["decode"], fl.get("decode", 0.0),
                             bandwidth, flop_rate, numel))
         print(f"  {model} {name}: " + ", ".join(f"{r['kernel']}@{r['world']} {r['ms']:.1f} ms "

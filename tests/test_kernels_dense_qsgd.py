@@ -205,3 +205,26 @@ def test_without_numba_one_warning_names_the_extra_and_the_encode_still_works(
         levels = q.compress(x, [3000])[0][0]
     assert torch.equal(levels, _reference_levels(x, [3000], [9], 5, 64))
     assert qsgdkern.compiled() is None  # decided once: no second warning
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; `make test-gpu` on a GPU machine")
+def test_cuda_draws_the_same_words_and_levels_as_the_cpu() -> None:
+    """The words are a hash of (seed, index) computed by torch integer operations, so a GPU
+    draws what the CPU draws, and with the same norms the levels agree bit for bit."""
+    assert torch.equal(qsgdkern.words(5, 10_001, "cuda").cpu(), qsgdkern.words(5, 10_001))
+    seg, seeds = [5000, 7, 1029], [3, 4, 5]
+    x = torch.randn(sum(seg), generator=torch.Generator().manual_seed(6))
+    q = Quantizer(levels=7, bucket_size=64)
+    q.seeds = seeds
+    levels_gpu, norms_gpu = q.compress(x.cuda(), seg)[0]
+    assert torch.equal(levels_gpu.cpu(), _reference_levels_from(x, seg, seeds, 7, 64, norms_gpu.cpu()))
+
+
+def _reference_levels_from(x: torch.Tensor, seg: list[int], seeds: list[int], s: int, bs: int,
+                           norms: torch.Tensor) -> torch.Tensor:
+    """The documented levels given the bucket norms (a GPU's norm reduction may round the
+    last bit differently from the CPU's; the levels follow from whatever norms were sent)."""
+    plan = qsgdkern.plan_of(seg, bs)
+    scale = torch.where(norms > 0, s / norms, torch.zeros(()))
+    return qsgdkern.quantize_torch(x, plan, scale, seeds, float(s))

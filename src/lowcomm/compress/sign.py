@@ -105,6 +105,13 @@ class ScaledSign(Compressor):
     ) -> tuple[list[torch.Tensor], Any]:
         """Packed signs and the fp32 mean ``|x|`` of each segment."""
         seg = _segments(tensor.numel(), segments)
+        jit = native.load("signjit") if _cpu(tensor) and tensor.dtype == torch.float32 and tensor.numel() else None
+        if jit is not None:  # |x| and the bits in one read of x; the same means, the same bits
+            flat = tensor.reshape(-1)
+            a = scratch("sign.abs", flat.numel(), flat.dtype)[: flat.numel()]
+            packed = torch.empty(signbits.padded(flat.numel()) // 8, dtype=torch.uint8)
+            jit.abs_pack(flat.numpy(), a.numpy(), packed.numpy())
+            return [packed, torch.stack([p.mean() for p in a.split(seg)])], (tensor.numel(), tensor.dtype, seg)
         return [pack_signs(tensor), _l1_scales(tensor, seg)], (tensor.numel(), tensor.dtype, seg)
 
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:

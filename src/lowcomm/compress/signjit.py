@@ -82,3 +82,26 @@ def table_residual(comp: np.ndarray, packed: np.ndarray, table: np.ndarray, star
                 out[8 * j + k] = comp[8 * j + k] - row[(byte >> k) & 1]
         for i in range(max(head, b & ~7), b):
             out[i] = comp[i] - row[(int(packed[i >> 3]) >> (i & 7)) & 1]
+
+
+@numba.njit(nogil=True, cache=True)
+def abs_pack(x: np.ndarray, absolute: np.ndarray, packed: np.ndarray) -> None:  # pragma: no cover
+    """One read of ``x``: ``absolute = |x|`` (for the scales' means) and the bits ``x >= 0``
+    packed little-endian into ``packed`` (``-0.0`` packs as ``+``, NaN as ``-``, as
+    :func:`lowcomm.compress.signbits.pack`)."""
+    n = x.shape[0]
+    for j in range(n >> 3):
+        byte = 0
+        for k in range(8):
+            v = x[8 * j + k]
+            absolute[8 * j + k] = abs(v)
+            byte |= (1 if v >= 0 else 0) << k
+        packed[j] = byte
+    if n & 7:
+        byte = 0
+        for i in range(n & ~7, n):
+            v = x[i]
+            absolute[i] = abs(v)
+            byte |= (1 if v >= 0 else 0) << (i & 7)
+        packed[n >> 3] = byte
+

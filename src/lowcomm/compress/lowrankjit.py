@@ -1,0 +1,161 @@
+"""Low-rank products with a tall output, compiled by numba: ``out = a bᵀ`` and its residual.
+
+Why compiled: writing a rank-``r`` product ``P Qᵀ`` (``r`` = 1-32) is an outer-product sum
+whose cost is writing the ``n x m`` result; MKL's GEMM treats it as a general product with an
+inner dimension of ``r`` and writes it at about 7 GB/s on the 2-vCPU machine where the copy
+bandwidth is 40+ GB/s (issue 18: ACP-SGD's decode at 5-7x its memory bound). Here each output
+row is formed in L1 (``r`` passes over one row) and written once; Power-SGD's rebuild writes
+the residual ``M - P Qᵀ`` and the product from the same row. Results differ from MKL's only by
+float summation order (the ``r`` terms are added in order, without fused multiply-adds);
+numba is optional (:mod:`lowcomm.compress.native`).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(inline="always", cache=True)
+def _row(a: np.ndarray, i: int, bt: np.ndarray, row: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``row <- a[i] @ bt``, the ``r`` terms added in order."""
+    ai = a[i, 0]
+    b = bt[0]
+    for j in range(row.shape[0]):
+        row[j] = ai * b[j]
+    for q in range(1, a.shape[1]):
+        ai = a[i, q]
+        b = bt[q]
+        for j in range(row.shape[0]):
+            row[j] += ai * b[j]
+
+
+@numba.njit(nogil=True, cache=True)
+def outer_into(out: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``out (n x m) <- a (n x r) @ bt (r x m)``, row by row."""
+    for i in range(out.shape[0]):
+        _row(a, i, bt, out[i])
+
+
+@numba.njit(nogil=True, cache=True)
+def rebuild(target: np.ndarray, mat: np.ndarray, a: np.ndarray, bt: np.ndarray,
+            residual: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``residual <- mat - a @ bt`` and ``target <- a @ bt``, row by row (``target`` may be
+    ``mat``: each row of ``mat`` is read before that row of ``target`` is written)."""
+    t = np.empty(target.shape[1], dtype=target.dtype)
+    for i in range(target.shape[0]):
+        _row(a, i, bt, t)
+        m, r, o = mat[i], residual[i], target[i]
+        for j in range(t.shape[0]):
+            r[j] = m[j] - t[j]
+            o[j] = t[j]
+
+
+@numba.njit(nogil=True, cache=True)
+def sub_outer(x: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``x -= a @ bt`` row by row."""
+    t = np.empty(x.shape[1], dtype=x.dtype)
+    for i in range(x.shape[0]):
+        _row(a, i, bt, t)
+        xi = x[i]
+        for j in range(t.shape[0]):
+            xi[j] -= t[j]
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def p_step_rows(g: np.ndarray, e: np.ndarray, u: np.ndarray, ft: np.ndarray, out: np.ndarray,
+                momentum: float, stage: bool, mask: bool) -> None:  # pragma: no cover - compiled
+    """ACP-SGD's P-step encode of one ``n x m`` matrix, one row at a time while it is in L1:
+    with ``stage``, ``u_i <- g_i + momentum u_i`` and ``e_i += u_i`` (else ``e_i += g_i``);
+    ``out_i = e_i F`` (``ft`` is ``Fᵀ``, ``r x m``); ``e_i -= out_i Fᵀ``; with ``mask``,
+    ``u_i -= (u_i F) Fᵀ``. ``g``, ``e`` and ``u`` are read and written once. Reassociation is
+    allowed here (the row sums vectorize; the results differ from BLAS's by summation order,
+    as BLAS's differ between machines)."""
+    n, m = e.shape
+    r = ft.shape[0]
+    w = np.empty(r, dtype=e.dtype)
+    for i in range(n):
+        ei, gi = e[i], g[i]
+        if stage:
+            ui = u[i]
+            for j in range(m):
+                ui[j] = gi[j] + momentum * ui[j]
+                ei[j] += ui[j]
+        else:
+            for j in range(m):
+                ei[j] += gi[j]
+        for q in range(r):
+            fq = ft[q]
+            s = np.float32(0.0)
+            for j in range(m):
+                s += ei[j] * fq[j]
+            out[i, q] = s
+        for q in range(r):
+            pq, fq = out[i, q], ft[q]
+            for j in range(m):
+                ei[j] -= pq * fq[j]
+        if mask:
+            ui = u[i]
+            for q in range(r):
+                fq = ft[q]
+                s = np.float32(0.0)
+                for j in range(m):
+                    s += ui[j] * fq[j]
+                w[q] = s
+            for q in range(r):
+                wq, fq = w[q], ft[q]
+                for j in range(m):
+                    ui[j] -= wq * fq[j]
+
+
+@numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def q_step_cols(g: np.ndarray, e: np.ndarray, u: np.ndarray, f: np.ndarray, out: np.ndarray,
+                momentum: float, stage: bool, mask: bool, block: int) -> None:  # pragma: no cover
+    """ACP-SGD's Q-step encode of one ``n x m`` matrix by column blocks of ``block`` columns
+    (all rows of a block stay in L2): the velocity stage and ``e += u`` (or ``g``) while
+    ``Qᵀ += F[i] ⊗ e_i`` (and, with ``mask``, ``Wᵀ += F[i] ⊗ u_i``) accumulate row by row; then
+    ``e_i -= F[i] Qᵀ`` and ``u_i -= F[i] Wᵀ``; ``out = Q`` (``m x r``). The block's rows are
+    read from memory once; reassociation allowed as in :func:`p_step_rows`."""
+    n, m = e.shape
+    r = f.shape[1]
+    qt = np.empty((r, block), dtype=e.dtype)
+    wt = np.empty((r, block), dtype=e.dtype)
+    for c0 in range(0, m, block):
+        c1 = min(m, c0 + block)
+        w = c1 - c0
+        qt[:, :w] = 0.0
+        wt[:, :w] = 0.0
+        for i in range(n):
+            ei, gi = e[i, c0:c1], g[i, c0:c1]
+            if stage:
+                ui = u[i, c0:c1]
+                for j in range(w):
+                    ui[j] = gi[j] + momentum * ui[j]
+                    ei[j] += ui[j]
+            else:
+                for j in range(w):
+                    ei[j] += gi[j]
+            for q in range(r):
+                _axpy(f[i, q], ei, qt[q, :w])
+            if mask:
+                ui = u[i, c0:c1]
+                for q in range(r):
+                    _axpy(f[i, q], ui, wt[q, :w])
+        for i in range(n):
+            ei = e[i, c0:c1]
+            for q in range(r):
+                _axpy(-f[i, q], qt[q, :w], ei)
+            if mask:
+                ui = u[i, c0:c1]
+                for q in range(r):
+                    _axpy(-f[i, q], wt[q, :w], ui)
+        for j in range(w):
+            for q in range(r):
+                out[c0 + j, q] = qt[q, j]
+
+
+@numba.njit(inline="always", cache=True)
+def _axpy(a: np.float32, x: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``y += a x`` over 1-d slices."""
+    for j in range(x.shape[0]):
+        y[j] += a * x[j]
