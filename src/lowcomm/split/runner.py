@@ -133,10 +133,11 @@ def _run_edge(cfg: SplitConfig, config: Any, weights: Any, tokenizer: Any, devic
                 split.backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                step_s.append(time.perf_counter() - start)
+                end = time.perf_counter()
+                step_s.append(end - start)
                 if replay is not None:
                     replay.record((middle - start) - (comm1 - comm0),
-                                  (start + step_s[-1] - middle) - (split.comm_s - comm1), step_s[-1],
+                                  (end - middle) - (split.comm_s - comm1), step_s[-1],
                                   list(out) if isinstance(out, tuple) else [out], mask, labels)
             if log is not None:
                 log.write(json.dumps({"event": "step", "step": len(step_s), "step_s": step_s[-1]}) + "\n")
