@@ -30,15 +30,18 @@ def load(name: str) -> ModuleType | None:
         if name in _LOADED:
             return _LOADED[name]
     module: ModuleType | None = None
+    why = "they need numba, on a little-endian machine"
     if sys.byteorder == "little":
         try:
             module = importlib.import_module(f"lowcomm.compress.{name}")
         except ImportError:
             module = None
+        except Exception as exc:  # numba present but unusable, e.g. no writable cache folder
+            module, why = None, f"numba failed: {type(exc).__name__}: {exc}"
     if module is None:
-        warnings.warn(f"{name}: no compiled CPU kernels (they need numba, on a little-endian machine); "
-                      "the CPU paths run as torch/numpy operations: the same results, more slowly. "
-                      "pip install 'lowcomm[fast]'", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{name}: no compiled CPU kernels ({why}); the CPU paths run as torch/numpy "
+                      "operations: the same results, more slowly. pip install 'lowcomm[fast]'",
+                      RuntimeWarning, stacklevel=3)
     with _LOCK:
         _LOADED[name] = module
     return module
