@@ -213,6 +213,9 @@ def test_cuda_draws_the_same_words_and_levels_as_the_cpu() -> None:
     """The words are a hash of (seed, index) computed by torch integer operations, so a GPU
     draws what the CPU draws, and with the same norms the levels agree bit for bit."""
     assert torch.equal(qsgdkern.words(5, 10_001, "cuda").cpu(), qsgdkern.words(5, 10_001))
+    plan = qsgdkern.plan_of([5000, 7, 1029], 64)
+    assert torch.equal(qsgdkern.buffer_words(plan, 2**62 + 11, [4, 0, 9], "cuda").cpu(),
+                       qsgdkern.buffer_words(plan, 2**62 + 11, [4, 0, 9], "cpu"))
     seg, seeds = [5000, 7, 1029], [3, 4, 5]
     x = torch.randn(sum(seg), generator=torch.Generator().manual_seed(6))
     q = Quantizer(levels=7, bucket_size=64)
@@ -228,3 +231,38 @@ def _reference_levels_from(x: torch.Tensor, seg: list[int], seeds: list[int], s:
     plan = qsgdkern.plan_of(seg, bs)
     scale = torch.where(norms > 0, s / norms, torch.zeros(()))
     return qsgdkern.quantize_torch(x, plan, scale, seeds, float(s))
+
+
+def test_buffer_words_equal_each_tensors_words_from_its_draw_seed() -> None:
+    """The whole-buffer draw (keys computed from the seed base on the device side) gives each
+    tensor the words of its own draw_seed, including seeds above 2**62 and empty tensors."""
+    from lowcomm.compress.qsgd import draw_seed, seed_base
+
+    seg, indices = [1001, 0, 7, 4096, 3], [5, 0, 999_999, 17, 2]
+    plan = qsgdkern.plan_of(seg, 64)
+    for seed, step, rank in [(0, 0, 0), (3, 12_345, 3), (2**62 + 7, 10**9, 1_000_000)]:
+        base = seed_base(seed, step, rank)
+        seeds = [draw_seed(seed, step, i, rank) for i in indices]
+        assert seeds == [(base + i * qsgdkern.SEED_STRIDE) % 2**63 for i in indices]
+        expected = torch.cat([qsgdkern.words(sd, n) for sd, n in zip(seeds, seg)])
+        assert torch.equal(qsgdkern.buffer_words(plan, base, indices, "cpu"), expected)
+
+
+def test_the_codec_device_path_draws_whole_buffers_with_the_same_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the codec (which sets the seed base): the torch path's levels equal the
+    compiled (or per-tensor) path's, so a GPU rank and a CPU rank of the same step agree."""
+    from lowcomm.compress.codec import Layout, codec_class
+
+    shapes = [(40, 30), (7,), (3, 5, 5)]
+    names = [f"p{i}" for i in range(len(shapes))]
+    layout = Layout.of(names, shapes, {n: 3 * i + 1 for i, n in enumerate(names)})
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(8))
+    payloads = []
+    for fast in ("1", "0"):
+        monkeypatch.setenv("LOWCOMM_CPU_FAST", fast)
+        codec = codec_class("qsgd")(codec_class("qsgd").Options(bucket_size=50, start_iter=0), world=2, rank=1)
+        codec.step = 9
+        codec.prepare(layout)
+        assert codec.quantizer.affine is not None
+        payloads.append(codec.quantizer.compress(x, layout.sizes)[0])
+    assert torch.equal(payloads[0][0], payloads[1][0]) and torch.equal(payloads[0][1], payloads[1][1])

@@ -52,7 +52,7 @@ from lowcomm.compress.base import Compressor, cpu_fast
 from lowcomm.compress.codec import Layout, Work, register_codec
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_start
-from lowcomm.compress.qsgdkern import bucket_norms, compiled, mean_cpu, plan_of, quantize_cpu, quantize_torch
+from lowcomm.compress.qsgdkern import bucket_norms, mean_cpu, plan_of, quantize_cpu, quantize_torch
 from lowcomm.errors import MAX_COUNT, UsageError
 
 #: most levels an int8 ``sign * xi`` can carry
@@ -65,6 +65,12 @@ def draw_seed(seed: int, step: int, param_index: int, rank: int) -> int:
     (tensor, rank) (``param_index < 1_000_033``, ``rank < 1_000_037``; the multipliers are
     odd, so no step count wraps modulo ``2**63`` onto another step)."""
     return (((seed * 1_000_003 + step) * 1_000_033 + param_index) * 1_000_037 + rank) % (2**63)
+
+
+def seed_base(seed: int, step: int, rank: int) -> int:
+    """The part of :func:`draw_seed` that does not depend on the tensor: ``draw_seed(seed,
+    step, i, rank) == (seed_base(seed, step, rank) + i * 1_000_037) % 2**63``."""
+    return ((seed * 1_000_003 + step) * 1_000_033 * 1_000_037 + rank) % (2**63)
 
 
 def num_buckets(numel: int, bucket_size: int) -> int:
@@ -86,6 +92,10 @@ class Quantizer(Compressor):
         self.levels = levels
         self.bucket_size = bucket_size
         self.seeds: list[int] | None = None
+        #: ``(base, parameter indices)`` with ``seeds[t] = draw_seed_from(base, indices[t])``,
+        #: set with :attr:`seeds` by the codec: lets the device path draw every tensor's words
+        #: in one set of whole-buffer operations (:func:`~lowcomm.compress.qsgdkern.buffer_words`)
+        self.affine: tuple[int, list[int]] | None = None
 
     def compress(
         self, tensor: torch.Tensor, segments: Sequence[int] | None = None
@@ -101,7 +111,10 @@ class Quantizer(Compressor):
         levels = torch.empty(x.numel(), dtype=torch.int8) if cpu_fast(x) else None
         if levels is None or not quantize_cpu(x, plan, seeds, s, levels, norms):
             scale = torch.where(norms > 0, s / norms, torch.zeros((), device=x.device))
-            levels = quantize_torch(x, plan, scale, seeds, s)
+            # the whole-buffer draw for device tensors (and the switch that stands in for them);
+            # a CPU without numba draws tensor by tensor (fewer int64 temporaries: 4x faster there)
+            affine = self.affine if self.seeds is not None and seeds is self.seeds and not cpu_fast(x) else None
+            levels = quantize_torch(x, plan, scale, seeds, s, affine)
         return [levels, norms], (flat.numel(), flat.dtype, seg)
 
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
@@ -131,7 +144,7 @@ class Quantizer(Compressor):
 
     @staticmethod
     def _fast(payloads: Sequence[Sequence[torch.Tensor]], ctx: Any) -> bool:
-        return ctx[1] == torch.float32 and ctx[0] > 0 and cpu_fast(payloads[0][0]) and compiled() is not None
+        return ctx[1] == torch.float32 and ctx[0] > 0 and cpu_fast(payloads[0][0])
 
     def payload_bytes(self, numel: int, dtype: torch.dtype, num_tensors: int = 1) -> int:
         """For one tensor: one byte per element plus 4 per bucket."""
@@ -183,6 +196,7 @@ class QSGDCodec(PayloadCodec):
     def prepare(self, layout: Layout) -> None:
         """Seed each tensor's uniforms by (seed, step, its parameter index, this rank)."""
         self.quantizer.seeds = [draw_seed(self.options.seed, self.step, i, self.rank) for i in layout.index]
+        self.quantizer.affine = (seed_base(self.options.seed, self.step, self.rank), list(layout.index))
 
     def payload_bytes(self, shapes: Sequence[Sequence[int]], dtype_bytes: int) -> int:
         """``n + 4 * sum_i ceil(n_i / bucket_size)``: int8 levels, fp32 norms."""

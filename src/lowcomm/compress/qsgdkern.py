@@ -43,10 +43,13 @@ import numpy as np
 import torch
 
 from lowcomm.compress import native
+from lowcomm.compress.base import scratch
 
 #: ``u = w * U_SCALE + U_OFFSET`` for the unsigned 16-bit word ``w``: ``(w + 1/2) / 2**16``
 U_SCALE = 2.0**-16
 U_OFFSET = 2.0**-17
+#: elements per in-cache chunk of the decode without numba
+CHUNK = 1 << 18
 _M32 = (1 << 32) - 1
 _M64 = (1 << 64) - 1
 #: the multipliers of ``lowbias32`` (also in :mod:`lowcomm.compress.qsgdjit`)
@@ -85,6 +88,69 @@ def words(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor
     return torch.stack((h & 0xFFFF, h >> 16), dim=1).reshape(-1)[:n]
 
 
+#: :func:`~lowcomm.compress.qsgd.draw_seed` is ``(base + param_index * SEED_STRIDE) mod 2**63``
+SEED_STRIDE = 1_000_037
+_M63 = (1 << 63) - 1
+
+
+def _i64(c: int) -> int:
+    """A 64-bit constant as the signed int64 with the same bits."""
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_t(z: torch.Tensor) -> torch.Tensor:
+    """:func:`_splitmix64` on int64 tensors (wrapping adds and products: the same 64 bits)."""
+    z = z + _i64(0x9E3779B97F4A7C15)
+    z = (z ^ _srl(z, 30)) * _i64(0xBF58476D1CE4E5B9)
+    z = (z ^ _srl(z, 27)) * _i64(0x94D049BB133111EB)
+    return z ^ _srl(z, 31)
+
+
+_INDEX: OrderedDict[tuple[tuple[int, ...], torch.device], torch.Tensor] = OrderedDict()
+
+
+def _index_on(indices: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The tensors' parameter indices on ``device`` (int64), copied once per layout and device
+    (to CUDA from pinned memory, ``non_blocking``: no stream sync inside a hook)."""
+    key = (tuple(int(i) for i in indices), device)
+    with _PLANS_LOCK:
+        hit = _INDEX.get(key)
+        if hit is not None:
+            _INDEX.move_to_end(key)
+            return hit
+    host = torch.tensor(key[0], dtype=torch.int64)
+    out = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    with _PLANS_LOCK:
+        _INDEX[key] = out
+        while len(_INDEX) > PLANS_KEPT:
+            _INDEX.popitem(last=False)
+    return out
+
+
+def buffer_words(plan: Plan, base: int, indices: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """The words of every tensor of a fused buffer (int64, ``plan.numel``) in one set of
+    whole-buffer operations: tensor ``t``'s seed is ``(base + indices[t] * SEED_STRIDE) mod
+    2**63`` (:func:`~lowcomm.compress.qsgd.draw_seed`), its keys splitmix64 of it, computed
+    on ``device`` from the cached indices and the scalar ``base`` (nothing copied per step);
+    then each element's pair index and half. The same words as :func:`words` per tensor."""
+    dev = torch.device(device)
+    ix = plan.on(dev)
+    n = plan.numel
+    z = _splitmix64_t((_index_on(indices, dev) * SEED_STRIDE + (base & _M63)) & _M63)
+    k1 = torch.repeat_interleave(z & _M32, ix["tensor_numel"], output_size=n)
+    k2 = torch.repeat_interleave(_srl(z, 32), ix["tensor_numel"], output_size=n)
+    i = torch.arange(n, dtype=torch.int64, device=dev)
+    i.sub_(torch.repeat_interleave(ix["tensor_start"], ix["tensor_numel"], output_size=n))
+    h = _lowbias32_((i >> 1).add_(k1).bitwise_and_(_M32))
+    h = _lowbias32_(h.bitwise_xor_(k2))
+    return h.bitwise_right_shift_((i & 1) * 16).bitwise_and_(0xFFFF)
+
+
 def uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The ``n`` fp32 uniforms of one tensor drawn with ``seed`` (the reference's form)."""
     return words(seed, n, device).to(torch.float32).mul_(U_SCALE).add_(U_OFFSET)
@@ -106,7 +172,8 @@ class Plan:
     ``tensors``: ``(offset, numel, first bucket)`` of each tensor; ``tail_src``: the elements
     of the partial buckets, in order; ``tail_dst``: their places in a ``(tails, bucket)``
     zero-padded matrix; ``tail_bucket``: the bucket of each partial bucket and ``tail_of``:
-    of each of its elements; ``counts``: the elements of every bucket; ``starts``: the
+    of each of its elements; ``counts``: the elements of every bucket; ``tensor_numel`` and
+    ``tensor_start``: each tensor's elements and offset (int64 tensors); ``starts``: the
     tensors' offsets and the buffer's end, ``firsts``: each tensor's first bucket (int64
     numpy arrays, for the compiled kernels)."""
 
@@ -120,6 +187,8 @@ class Plan:
     tail_bucket: torch.Tensor
     tail_of: torch.Tensor
     counts: torch.Tensor
+    tensor_numel: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    tensor_start: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     starts: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
     firsts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     _on: dict[torch.device, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -133,7 +202,7 @@ class Plan:
         here until the plan goes, so the asynchronous copy cannot read freed memory."""
         hit = self._on.get(device)
         if hit is None:
-            names = ("tail_src", "tail_dst", "tail_bucket", "tail_of", "counts")
+            names = ("tail_src", "tail_dst", "tail_bucket", "tail_of", "counts", "tensor_numel", "tensor_start")
             if device.type == "cuda":
                 if not self._pinned:
                     self._pinned = {k: getattr(self, k).pin_memory() for k in names}
@@ -176,7 +245,8 @@ class Plan:
         starts = np.array([t[0] for t in tensors] + [off], dtype=np.int64)
         firsts = np.array([t[2] for t in tensors], dtype=np.int64)
         return cls(bs, off, first, runs, tensors, cat(src), cat(dst), torch.tensor(tb, dtype=torch.int64), cat(of),
-                   torch.from_numpy(counts), starts, firsts)
+                   torch.from_numpy(counts), torch.tensor([t[1] for t in tensors], dtype=torch.int64),
+                   torch.from_numpy(starts[:-1].copy()), starts, firsts)
 
 
 _PLANS: OrderedDict[tuple[tuple[int, ...], int], Plan] = OrderedDict()
@@ -243,13 +313,19 @@ def quantize_cpu(x: torch.Tensor, plan: Plan, seeds: Sequence[int], s: float, ou
     return True
 
 
-def quantize_torch(x: torch.Tensor, plan: Plan, scale: torch.Tensor, seeds: Sequence[int], s: float) -> torch.Tensor:
+def quantize_torch(x: torch.Tensor, plan: Plan, scale: torch.Tensor, seeds: Sequence[int], s: float,
+                   affine: tuple[int, Sequence[int]] | None = None) -> torch.Tensor:
     """The same levels with whole-buffer torch ops (device tensors; no host reads): the same
-    elementwise arithmetic, so on a CPU tensor the same bits as :func:`quantize_cpu`."""
+    elementwise arithmetic, so on a CPU tensor the same bits as :func:`quantize_cpu`. With
+    ``affine`` (see :func:`buffer_words`) the words of all tensors come from one set of
+    whole-buffer operations (a few dozen kernel launches per buffer, not per tensor)."""
     dev = x.device
-    u = torch.empty(plan.numel, dtype=torch.float32, device=dev)
-    for (off, n, _), sd in zip(plan.tensors, seeds):  # int64 words one tensor at a time
-        u[off : off + n].copy_(words(sd, n, dev)).mul_(U_SCALE).add_(U_OFFSET)
+    if affine is not None and len(affine[1]) == len(plan.tensors):
+        u = buffer_words(plan, affine[0], affine[1], dev).to(torch.float32).mul_(U_SCALE).add_(U_OFFSET)
+    else:
+        u = torch.empty(plan.numel, dtype=torch.float32, device=dev)
+        for (off, n, _), sd in zip(plan.tensors, seeds):  # int64 words one tensor at a time
+            u[off : off + n].copy_(words(sd, n, dev)).mul_(U_SCALE).add_(U_OFFSET)
     per = torch.repeat_interleave(scale, plan.on(dev)["counts"], output_size=plan.numel)  # no sync
     y = torch.mul(x, per)
     out = torch.empty(plan.numel, dtype=torch.int8, device=dev)
@@ -258,13 +334,41 @@ def quantize_torch(x: torch.Tensor, plan: Plan, scale: torch.Tensor, seeds: Sequ
 
 
 def mean_cpu(payloads: Sequence[Sequence[torch.Tensor]], plan: Plan, s: float, out: torch.Tensor) -> bool:
-    """``out <-`` the mean over workers of ``level * (norm / s)`` by the compiled kernel: per
-    element the generic decode's operations in the same order (worker 0's product, then each
-    next worker's product added, then the division by P); ``False`` without numba."""
+    """``out <-`` the mean over workers of ``level * (norm / s)``: per element the generic
+    decode's operations in the same order (worker 0's product, then each next worker's product
+    added, then the division by P), by the compiled kernel or, without numba, in chunks."""
     jit = compiled()
     if jit is None:
-        return False
+        _mean_chunked(payloads, plan, s, out)
+        return True
     levels = tuple(lv.contiguous().numpy() for lv, _ in payloads)
     steps = tuple((norms / s).numpy() for _, norms in payloads)
     jit.mean(levels, steps, plan.starts, plan.firsts, plan.bucket_size, out.numpy())
     return True
+
+
+def _mean_chunked(payloads: Sequence[Sequence[torch.Tensor]], plan: Plan, s: float, out: torch.Tensor) -> None:
+    """:func:`mean_cpu` without numba: the same operations in the same order, by runs of whole
+    buckets in cache-sized chunks (one product per worker and chunk), partial buckets gathered."""
+    bs, world = plan.bucket_size, len(payloads)
+    steps = [norms / s for _, norms in payloads]
+    per = min(max(1, CHUNK // bs), max((nb for _, _, nb in plan.runs), default=0))
+    tmp = scratch("qsgd.dec", per * bs, torch.float32)
+    for e0, b0, nb_run in plan.runs:
+        for c in range(0, nb_run, per):
+            nb = min(per, nb_run - c)
+            a, z = e0 + c * bs, e0 + (c + nb) * bs
+            o, t = out[a:z].view(nb, bs), tmp[: nb * bs].view(nb, bs)
+            for p, (levels, _) in enumerate(payloads):
+                st = steps[p][b0 + c : b0 + c + nb, None]
+                if p == 0:
+                    torch.mul(t.copy_(levels[a:z].view(nb, bs)), st, out=o)
+                else:
+                    o.add_(t.copy_(levels[a:z].view(nb, bs)).mul_(st))
+            o.div_(world)
+    if plan.tail_src.numel():
+        acc = torch.empty(plan.tail_src.numel(), dtype=torch.float32)
+        for p, (levels, _) in enumerate(payloads):
+            v = levels.index_select(0, plan.tail_src).to(torch.float32).mul_(steps[p].index_select(0, plan.tail_bucket)[plan.tail_of])
+            acc = v if p == 0 else acc.add_(v)
+        out.index_copy_(0, plan.tail_src, acc.div_(world))
