@@ -102,12 +102,13 @@ def test_fused_step_equals_the_plain_formulas_over_many_blocks(
     """ACP-SGD's fused encode of one matrix, compiled (numba) and by BLAS blocks (without it),
     with blocks small enough that a Q-step spans several column blocks and a short last one:
     factor, residual and masked velocity equal the unfused formulas."""
+    from kernels_testlib import require_compiled
     from lowcomm.compress import native
 
     if kernels == "blas":
         monkeypatch.setitem(native._LOADED, "lowrankjit", None)
-    elif native.load("lowrankjit") is None:
-        pytest.skip("numba is not installed: the compiled low-rank kernels are not used here")
+    else:
+        require_compiled("lowrankjit")
     monkeypatch.setattr(matrices, "BLOCK", 600)
     n, m, r, mom = 37, 53, 3, 0.9
     g = torch.randn(n, m, generator=_gen(30))

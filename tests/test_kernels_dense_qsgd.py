@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from kernels_testlib import require_compiled
 from lowcomm.compress import native, qsgdkern
 from lowcomm.compress.qsgd import Quantizer
 from lowcomm.compress.qsgdkern import U_OFFSET, U_SCALE, uniforms
@@ -31,11 +32,8 @@ def _reference_levels(x: torch.Tensor, seg: list[int], seeds: list[int], s: int,
 def _paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, object]]:
     """(name, LOWCOMM_CPU_FAST, the loaded kernel module) of the CPU compiled path, the torch
     path that device tensors take, and the CPU fast setting on a machine without numba."""
-    jit = qsgdkern.compiled()
-    paths: list[tuple[str, str, object]] = [("torch", "0", jit), ("no numba", "1", None)]
-    if jit is not None:
-        paths.append(("compiled", "1", jit))
-    return paths
+    jit = require_compiled("qsgdjit")
+    return [("torch", "0", jit), ("no numba", "1", None), ("compiled", "1", jit)]
 
 
 @pytest.mark.parametrize("seg, bs", [([70_000, 9, 512, 131_072, 3], 512), ([1000, 7, 20_001], 7),
@@ -102,9 +100,7 @@ def test_words_are_the_documented_hash_of_the_index_and_wrap_modulo_2_32() -> No
     k1, k2 = qsgdkern.keys(seed)
     w = qsgdkern.words(seed, 1000)
     assert w.tolist()[:51] == [_word(i, k1, k2) for i in range(51)]
-    jit = qsgdkern.compiled()
-    if jit is None:
-        pytest.skip("numba is not installed: the compiled kernel is not used here")
+    jit = require_compiled("qsgdjit")
     import numpy as np
 
     n, bs, k1, k2 = 4095, 7, (1 << 32) - 1000, 12345  # 585 buckets; the pair index wraps at element 2000

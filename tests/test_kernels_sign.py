@@ -15,6 +15,7 @@ import torch
 
 from tolerance import assert_close_eps
 from lowcomm.compress import ErrorFeedback, MajoritySign, Momentum, ScaledSign, pack_signs, unpack_signs
+from kernels_testlib import require_compiled
 from lowcomm.compress import native
 from lowcomm.compress.cast import CastCodec
 from lowcomm.compress.codec import Layout, codec_class
@@ -29,8 +30,8 @@ def sign_kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     without numba runs; both must give the reference's bits."""
     if request.param == "numpy":
         monkeypatch.setitem(native._LOADED, "signjit", None)
-    elif native.load("signjit") is None:
-        pytest.skip("numba is not installed: the compiled sign kernels are not used here")
+    else:
+        require_compiled("signjit")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

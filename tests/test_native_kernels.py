@@ -8,6 +8,7 @@ import importlib
 import pytest
 import torch
 
+from kernels_testlib import require_compiled
 from lowcomm.compress import native
 from lowcomm.compress.sign import ScaledSign
 
@@ -32,7 +33,7 @@ def test_the_sign_codec_gives_the_same_payload_and_residual_without_the_compiled
     x = torch.randn(1003, generator=torch.Generator().manual_seed(0))
     seg = [3, 500, 500]
     results = []
-    for loaded in (native.load("signjit"), None):
+    for loaded in (require_compiled("signjit"), None):
         monkeypatch.setitem(native._LOADED, "signjit", loaded)
         comp = ScaledSign()
         payload, ctx = comp.compress(x, seg)

@@ -230,10 +230,7 @@ class LowRankCodec(Codec):
                     continue
                 if residual is not None:
                     torch.addmm(st.mats[i][k], a[k], c[k].T, alpha=-1.0, out=residual[j].view(b.n, b.m))
-                if cpu_fast(target):
-                    outer_(target, a[k], c[k])
-                else:
-                    torch.mm(a[k], c[k].T, out=target)
+                outer_(target, a[k], c[k])
         off = 0
         for i in st.plan.uncompressed:
             views[i].view(-1).copy_(unc_sum[off : off + sizes[i]]).div_(self.world)

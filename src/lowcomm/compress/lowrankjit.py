@@ -62,6 +62,36 @@ def sub_outer(x: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: 
             xi[j] -= t[j]
 
 
+@numba.njit(inline="always", cache=True)
+def _axpy(a: np.float32, x: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``y += a x`` over 1-d slices."""
+    for j in range(x.shape[0]):
+        y[j] += a * x[j]
+
+
+@numba.njit(inline="always", cache=True)
+def _dot(x: np.ndarray, y: np.ndarray) -> np.float32:  # pragma: no cover - compiled
+    """``x · y`` over 1-d slices (vectorized where the caller allows reassociation)."""
+    s = np.float32(0.0)
+    for j in range(x.shape[0]):
+        s += x[j] * y[j]
+    return s
+
+
+@numba.njit(inline="always", cache=True)
+def _accumulate(e: np.ndarray, g: np.ndarray, u: np.ndarray, momentum: float,
+                stage: bool) -> None:  # pragma: no cover - compiled
+    """ACP-SGD's velocity stage on one row (slice): ``u <- g + momentum u``, ``e += u`` with
+    ``stage``, else ``e += g`` (``u`` unread)."""
+    if stage:
+        for j in range(e.shape[0]):
+            u[j] = g[j] + momentum * u[j]
+            e[j] += u[j]
+    else:
+        for j in range(e.shape[0]):
+            e[j] += g[j]
+
+
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def p_step_rows(g: np.ndarray, e: np.ndarray, u: np.ndarray, ft: np.ndarray, out: np.ndarray,
                 momentum: float, stage: bool, mask: bool) -> None:  # pragma: no cover - compiled
@@ -71,41 +101,21 @@ def p_step_rows(g: np.ndarray, e: np.ndarray, u: np.ndarray, ft: np.ndarray, out
     ``u_i -= (u_i F) Fᵀ``. ``g``, ``e`` and ``u`` are read and written once. Reassociation is
     allowed here (the row sums vectorize; the results differ from BLAS's by summation order,
     as BLAS's differ between machines)."""
-    n, m = e.shape
     r = ft.shape[0]
     w = np.empty(r, dtype=e.dtype)
-    for i in range(n):
-        ei, gi = e[i], g[i]
-        if stage:
-            ui = u[i]
-            for j in range(m):
-                ui[j] = gi[j] + momentum * ui[j]
-                ei[j] += ui[j]
-        else:
-            for j in range(m):
-                ei[j] += gi[j]
+    for i in range(e.shape[0]):
+        ei = e[i]
+        _accumulate(ei, g[i], u[i] if stage else ei, momentum, stage)
         for q in range(r):
-            fq = ft[q]
-            s = np.float32(0.0)
-            for j in range(m):
-                s += ei[j] * fq[j]
-            out[i, q] = s
+            out[i, q] = _dot(ei, ft[q])
         for q in range(r):
-            pq, fq = out[i, q], ft[q]
-            for j in range(m):
-                ei[j] -= pq * fq[j]
+            _axpy(-out[i, q], ft[q], ei)
         if mask:
             ui = u[i]
             for q in range(r):
-                fq = ft[q]
-                s = np.float32(0.0)
-                for j in range(m):
-                    s += ui[j] * fq[j]
-                w[q] = s
+                w[q] = _dot(ui, ft[q])
             for q in range(r):
-                wq, fq = w[q], ft[q]
-                for j in range(m):
-                    ui[j] -= wq * fq[j]
+                _axpy(-w[q], ft[q], ui)
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
@@ -126,15 +136,8 @@ def q_step_cols(g: np.ndarray, e: np.ndarray, u: np.ndarray, f: np.ndarray, out:
         qt[:, :w] = 0.0
         wt[:, :w] = 0.0
         for i in range(n):
-            ei, gi = e[i, c0:c1], g[i, c0:c1]
-            if stage:
-                ui = u[i, c0:c1]
-                for j in range(w):
-                    ui[j] = gi[j] + momentum * ui[j]
-                    ei[j] += ui[j]
-            else:
-                for j in range(w):
-                    ei[j] += gi[j]
+            ei = e[i, c0:c1]
+            _accumulate(ei, g[i, c0:c1], u[i, c0:c1] if stage else ei, momentum, stage)
             for q in range(r):
                 _axpy(f[i, q], ei, qt[q, :w])
             if mask:
@@ -152,10 +155,3 @@ def q_step_cols(g: np.ndarray, e: np.ndarray, u: np.ndarray, f: np.ndarray, out:
         for j in range(w):
             for q in range(r):
                 out[c0 + j, q] = qt[q, j]
-
-
-@numba.njit(inline="always", cache=True)
-def _axpy(a: np.float32, x: np.ndarray, y: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``y += a x`` over 1-d slices."""
-    for j in range(x.shape[0]):
-        y[j] += a * x[j]

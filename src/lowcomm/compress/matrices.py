@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from lowcomm.compress import native
+from lowcomm.compress.base import cpu_fast
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -242,8 +243,9 @@ def mask_(u: torch.Tensor, f: torch.Tensor, *, right: bool) -> None:
 
 
 def _float32(*ts: torch.Tensor) -> bool:
-    """Whether the compiled kernels may take these tensors: float32 on the CPU, without grad."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad for t in ts)
+    """Whether the compiled kernels may take these tensors: float32 CPU tensors without grad,
+    the CPU fast paths not switched off (``LOWCOMM_CPU_FAST=0`` sends them the device way)."""
+    return cpu_fast(*ts) and all(t.dtype == torch.float32 and not t.requires_grad for t in ts)
 
 
 def outer_(out: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:

@@ -52,7 +52,7 @@ from lowcomm.compress.base import Compressor, cpu_fast
 from lowcomm.compress.codec import Layout, Work, register_codec
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_start
-from lowcomm.compress.qsgdkern import bucket_norms, mean_cpu, plan_of, quantize_cpu, quantize_torch
+from lowcomm.compress.qsgdkern import SEED_STRIDE, bucket_norms, mean_cpu, plan_of, quantize_cpu, quantize_torch
 from lowcomm.errors import MAX_COUNT, UsageError
 
 #: most levels an int8 ``sign * xi`` can carry
@@ -64,7 +64,7 @@ def draw_seed(seed: int, step: int, param_index: int, rank: int) -> int:
     and for any fusion, distinct for every (tensor, rank) of a step and every step of one
     (tensor, rank) (``param_index < 1_000_033``, ``rank < 1_000_037``; the multipliers are
     odd, so no step count wraps modulo ``2**63`` onto another step)."""
-    return (((seed * 1_000_003 + step) * 1_000_033 + param_index) * 1_000_037 + rank) % (2**63)
+    return (seed_base(seed, step, rank) + param_index * SEED_STRIDE) % (2**63)
 
 
 def seed_base(seed: int, step: int, rank: int) -> int:
@@ -81,7 +81,7 @@ def num_buckets(numel: int, bucket_size: int) -> int:
 class Quantizer(Compressor):
     """The QSGD payload math: int8 signed levels + fp32 bucket norms of a fused buffer.
 
-    :attr:`seeds` (one per segment) is set by the codec before each encode; without it the
+    :attr:`affine` (or :attr:`seeds`, one per segment) is set before each encode; without it the
     segments are seeded as tensors ``0, 1, ...`` at step 0 (the profiler's case). The
     kernels are in :mod:`lowcomm.compress.qsgdkern` (CPU: one compiled pass where numba is
     installed; device tensors and CPU without numba: whole-buffer torch ops, no host reads;
@@ -92,10 +92,20 @@ class Quantizer(Compressor):
         self.levels = levels
         self.bucket_size = bucket_size
         self.seeds: list[int] | None = None
-        #: ``(base, parameter indices)`` with ``seeds[t] = draw_seed_from(base, indices[t])``,
-        #: set with :attr:`seeds` by the codec: lets the device path draw every tensor's words
-        #: in one set of whole-buffer operations (:func:`~lowcomm.compress.qsgdkern.buffer_words`)
+        #: ``(seed_base, parameter indices)``, set by the codec instead of :attr:`seeds`: tensor
+        #: ``t``'s seed is ``(base + indices[t] * SEED_STRIDE) mod 2**63`` (:func:`draw_seed`),
+        #: which lets the device path draw every tensor's words in one set of whole-buffer
+        #: operations (:func:`~lowcomm.compress.qsgdkern.buffer_words`)
         self.affine: tuple[int, list[int]] | None = None
+
+    def _seeds(self, count: int) -> tuple[list[int], tuple[int, list[int]] | None]:
+        """The segments' seeds, and the affine form where the codec gave it."""
+        if self.affine is not None and len(self.affine[1]) == count:
+            base, indices = self.affine
+            return [(base + i * SEED_STRIDE) % 2**63 for i in indices], self.affine
+        if self.seeds is not None and len(self.seeds) == count:
+            return self.seeds, None
+        return list(range(count)), None
 
     def compress(
         self, tensor: torch.Tensor, segments: Sequence[int] | None = None
@@ -103,7 +113,7 @@ class Quantizer(Compressor):
         """Levels and norms of every segment (tensor), in segment order."""
         flat = tensor.reshape(-1)
         seg = list(segments) if segments else [flat.numel()]
-        seeds = self.seeds if self.seeds is not None and len(self.seeds) == len(seg) else list(range(len(seg)))
+        seeds, affine = self._seeds(len(seg))
         x = flat.to(torch.float32).contiguous()
         plan = plan_of(seg, self.bucket_size)
         s = float(self.levels)
@@ -113,8 +123,7 @@ class Quantizer(Compressor):
             scale = torch.where(norms > 0, s / norms, torch.zeros((), device=x.device))
             # the whole-buffer draw for device tensors (and the switch that stands in for them);
             # a CPU without numba draws tensor by tensor (fewer int64 temporaries: 4x faster there)
-            affine = self.affine if self.seeds is not None and seeds is self.seeds and not cpu_fast(x) else None
-            levels = quantize_torch(x, plan, scale, seeds, s, affine)
+            levels = quantize_torch(x, plan, scale, seeds, s, None if cpu_fast(x) else affine)
         return [levels, norms], (flat.numel(), flat.dtype, seg)
 
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
@@ -195,7 +204,6 @@ class QSGDCodec(PayloadCodec):
 
     def prepare(self, layout: Layout) -> None:
         """Seed each tensor's uniforms by (seed, step, its parameter index, this rank)."""
-        self.quantizer.seeds = [draw_seed(self.options.seed, self.step, i, self.rank) for i in layout.index]
         self.quantizer.affine = (seed_base(self.options.seed, self.step, self.rank), list(layout.index))
 
     def payload_bytes(self, shapes: Sequence[Sequence[int]], dtype_bytes: int) -> int:

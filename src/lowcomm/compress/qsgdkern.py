@@ -51,41 +51,8 @@ U_OFFSET = 2.0**-17
 #: elements per in-cache chunk of the decode without numba
 CHUNK = 1 << 18
 _M32 = (1 << 32) - 1
-_M64 = (1 << 64) - 1
 #: the multipliers of ``lowbias32`` (also in :mod:`lowcomm.compress.qsgdjit`)
 _MUL1, _MUL2 = 0x7FEB352D, 0x846CA68B
-
-
-def _splitmix64(z: int) -> int:
-    """One output of splitmix64 (Steele et al.): a 64-bit mix of ``z``."""
-    z = (z + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
-
-
-def keys(seed: int) -> tuple[int, int]:
-    """The two 32-bit keys of one tensor's words: the halves of splitmix64 of ``seed``."""
-    z = _splitmix64(seed)
-    return z & _M32, z >> 32
-
-
-def _lowbias32_(h: torch.Tensor) -> torch.Tensor:
-    """``lowbias32`` in place on int64 words below ``2**32`` (products masked to 32 bits: the
-    int64 product may wrap, its low 32 bits are still exact)."""
-    h.bitwise_xor_(h >> 16).mul_(_MUL1).bitwise_and_(_M32)
-    h.bitwise_xor_(h >> 15).mul_(_MUL2).bitwise_and_(_M32)
-    return h.bitwise_xor_(h >> 16)
-
-
-def words(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The 16-bit words ``w_0 .. w_{n-1}`` of one tensor drawn with ``seed`` (int64), with
-    torch operations on ``device`` and scalar keys (no host-to-device copy, no sync): hash
-    ``j`` gives the words of elements ``2j`` (its low half) and ``2j + 1`` (its high half)."""
-    k1, k2 = keys(seed)
-    h = torch.arange((n + 1) // 2, dtype=torch.int64, device=device).add_(k1).bitwise_and_(_M32)
-    h = _lowbias32_(_lowbias32_(h).bitwise_xor_(k2))
-    return torch.stack((h & 0xFFFF, h >> 16), dim=1).reshape(-1)[:n]
 
 
 #: :func:`~lowcomm.compress.qsgd.draw_seed` is ``(base + param_index * SEED_STRIDE) mod 2**63``
@@ -103,12 +70,43 @@ def _srl(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
-def _splitmix64_t(z: torch.Tensor) -> torch.Tensor:
-    """:func:`_splitmix64` on int64 tensors (wrapping adds and products: the same 64 bits)."""
-    z = z + _i64(0x9E3779B97F4A7C15)
+def key_tensors(seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two 32-bit keys of each seed (int64 tensor, on any device): the halves of
+    splitmix64 (Steele et al.) of it, with wrapping int64 adds and products (the same bits as
+    the unsigned 64-bit arithmetic)."""
+    z = seeds + _i64(0x9E3779B97F4A7C15)
     z = (z ^ _srl(z, 30)) * _i64(0xBF58476D1CE4E5B9)
     z = (z ^ _srl(z, 27)) * _i64(0x94D049BB133111EB)
-    return z ^ _srl(z, 31)
+    z = z ^ _srl(z, 31)
+    return z & _M32, _srl(z, 32)
+
+
+def keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit keys of one tensor's words (:func:`key_tensors` of one seed)."""
+    k1, k2 = key_tensors(torch.tensor([seed], dtype=torch.int64))
+    return int(k1), int(k2)
+
+
+def _lowbias32_(h: torch.Tensor) -> torch.Tensor:
+    """``lowbias32`` in place on int64 words below ``2**32`` (products masked to 32 bits: the
+    int64 product may wrap, its low 32 bits are still exact)."""
+    h.bitwise_xor_(h >> 16).mul_(_MUL1).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15).mul_(_MUL2).bitwise_and_(_M32)
+    return h.bitwise_xor_(h >> 16)
+
+
+def _hash_(j: torch.Tensor, k1: torch.Tensor | int, k2: torch.Tensor | int) -> torch.Tensor:
+    """The hash of pair indices ``j`` (in place): ``H(H((j + k1) mod 2**32) xor k2)``."""
+    return _lowbias32_(_lowbias32_(j.add_(k1).bitwise_and_(_M32)).bitwise_xor_(k2))
+
+
+def words(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 16-bit words ``w_0 .. w_{n-1}`` of one tensor drawn with ``seed`` (int64), with
+    torch operations on ``device`` and scalar keys (no host-to-device copy, no sync): hash
+    ``j`` gives the words of elements ``2j`` (its low half) and ``2j + 1`` (its high half)."""
+    k1, k2 = keys(seed)
+    h = _hash_(torch.arange((n + 1) // 2, dtype=torch.int64, device=device), k1, k2)
+    return torch.stack((h & 0xFFFF, h >> 16), dim=1).reshape(-1)[:n]
 
 
 _INDEX: OrderedDict[tuple[tuple[int, ...], torch.device], torch.Tensor] = OrderedDict()
@@ -141,14 +139,11 @@ def buffer_words(plan: Plan, base: int, indices: Sequence[int], device: torch.de
     dev = torch.device(device)
     ix = plan.on(dev)
     n = plan.numel
-    z = _splitmix64_t((_index_on(indices, dev) * SEED_STRIDE + (base & _M63)) & _M63)
-    k1 = torch.repeat_interleave(z & _M32, ix["tensor_numel"], output_size=n)
-    k2 = torch.repeat_interleave(_srl(z, 32), ix["tensor_numel"], output_size=n)
+    k1, k2 = (torch.repeat_interleave(k, ix["tensor_numel"], output_size=n)
+              for k in key_tensors((_index_on(indices, dev) * SEED_STRIDE + (base & _M63)) & _M63))
     i = torch.arange(n, dtype=torch.int64, device=dev)
     i.sub_(torch.repeat_interleave(ix["tensor_start"], ix["tensor_numel"], output_size=n))
-    h = _lowbias32_((i >> 1).add_(k1).bitwise_and_(_M32))
-    h = _lowbias32_(h.bitwise_xor_(k2))
-    return h.bitwise_right_shift_((i & 1) * 16).bitwise_and_(0xFFFF)
+    return _hash_(i >> 1, k1, k2).bitwise_right_shift_((i & 1) * 16).bitwise_and_(0xFFFF)
 
 
 def uniforms(seed: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -306,10 +301,9 @@ def quantize_cpu(x: torch.Tensor, plan: Plan, seeds: Sequence[int], s: float, ou
     jit = compiled()
     if jit is None:
         return False
-    pairs = [keys(seed) for seed in seeds]
-    k1 = np.array([k for k, _ in pairs], dtype=np.int64)
-    k2 = np.array([k for _, k in pairs], dtype=np.int64)
-    jit.levels(x.numpy(), norms.numpy(), plan.starts, plan.firsts, k1, k2, plan.bucket_size, s, out.numpy())
+    k1, k2 = key_tensors(torch.tensor(list(seeds), dtype=torch.int64))
+    jit.levels(x.numpy(), norms.numpy(), plan.starts, plan.firsts, k1.numpy(), k2.numpy(), plan.bucket_size, s,
+               out.numpy())
     return True
 
 

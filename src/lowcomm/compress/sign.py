@@ -81,9 +81,13 @@ def _l1_scales(x: torch.Tensor, seg: list[int]) -> torch.Tensor:
     one mean per segment *view*: the same sums as ``p.abs().mean()`` bit for bit (a fused
     segment reduction adds in another order and would change the scales' last bits)."""
     if _cpu(x) and x.numel():
-        a = torch.abs(x.reshape(-1), out=scratch("sign.abs", x.numel(), x.dtype))
-        return torch.stack([p.mean() for p in a.split(seg)]).to(torch.float32)
+        return _means(torch.abs(x.reshape(-1), out=scratch("sign.abs", x.numel(), x.dtype)), seg)
     return torch.stack([p.abs().mean() for p in x.split(seg)]).to(torch.float32)
+
+
+def _means(a: torch.Tensor, seg: list[int]) -> torch.Tensor:
+    """fp32 mean of each segment *view* of ``|x|`` (``p.abs().mean()``'s sums, bit for bit)."""
+    return torch.stack([p.mean() for p in a.split(seg)]).to(torch.float32)
 
 
 def _expand(scales: torch.Tensor, seg: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -111,7 +115,7 @@ class ScaledSign(Compressor):
             a = scratch("sign.abs", flat.numel(), flat.dtype)[: flat.numel()]
             packed = torch.empty(signbits.padded(flat.numel()) // 8, dtype=torch.uint8)
             jit.abs_pack(flat.numpy(), a.numpy(), packed.numpy())
-            return [packed, torch.stack([p.mean() for p in a.split(seg)])], (tensor.numel(), tensor.dtype, seg)
+            return [packed, _means(a, seg)], (tensor.numel(), tensor.dtype, seg)
         return [pack_signs(tensor), _l1_scales(tensor, seg)], (tensor.numel(), tensor.dtype, seg)
 
     def decompress(self, payload: Sequence[torch.Tensor], ctx: Any) -> torch.Tensor:
@@ -129,7 +133,7 @@ class ScaledSign(Compressor):
         if _cpu(comp, payload[0]) and numel:
             jit = native.load("signjit") if dtype == torch.float32 == comp.dtype else None
             if jit is not None and (out is None or signbits.usable(out, dtype, numel)):
-                table = signbits.sum_table([payload[1]], dtype)[:, :2].contiguous()  # -scale, +scale
+                table = torch.stack((-payload[1], payload[1]), dim=1)  # the decode of a 0 bit, of a 1 bit
                 res = torch.empty(numel, dtype=dtype) if out is None else out
                 jit.table_residual(comp.reshape(-1).numpy(), payload[0].reshape(-1).numpy(), table.numpy(),
                                    signbits.starts(ctx[2]), res.reshape(-1).numpy())
