@@ -44,6 +44,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--symmetric", type=int, default=0,
                     help="send only the upper triangle (lowcomm symmetric_comm, kfac-pytorch symmetry_aware)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                    help="auto: NCCL on CUDA, gloo on CPU; gloo lets ranks share one GPU")
     ap.add_argument("--out", required=True)
     return ap.parse_args()
 
@@ -71,11 +73,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     cuda = torch.cuda.is_available()
     if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group(("nccl" if cuda else "gloo") if a.backend == "auto" else a.backend)
     rank = dist.get_rank()
 
     from lowcomm import models

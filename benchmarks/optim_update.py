@@ -13,9 +13,10 @@ the 10th/90th percentiles. On CPU the multi-tensor kernels are C++ loops over th
 (no one-launch fusion), so the gain there is the Python and dispatch overhead saved; on CUDA
 each ``_foreach`` op is one launch for many tensors.
 
-Results: ``benchmarks/results/optim_update.json``; the table goes into ``docs/largebatch.md``
-between ``<!-- optim-update:begin -->`` and ``<!-- optim-update:end -->``; ``--table-only``
-re-renders it from the JSON. Timings depend on the machine (recorded with each result): run
+Results: ``benchmarks/results/optim_update.json`` (CPU) or ``optim_update_cuda.json`` (CUDA);
+the table goes into ``docs/largebatch.md`` between ``<!-- optim-update:begin -->`` and
+``<!-- optim-update:end -->`` (CUDA: the ``optim-update-cuda`` block), so a GPU run keeps the
+CPU figures beside it; ``--table-only`` re-renders it from the JSON. Timings depend on the machine (recorded with each result): run
 it alone on an otherwise idle machine.
 
     .venv/bin/python benchmarks/optim_update.py                 # CPU (or --device cuda)
@@ -37,8 +38,10 @@ import accuracy as acc  # noqa: E402  (the sibling script: result file, doc bloc
 
 REPO = acc.REPO
 RESULTS = REPO / "benchmarks" / "results" / "optim_update.json"
+RESULTS_CUDA = REPO / "benchmarks" / "results" / "optim_update_cuda.json"
 DOC = REPO / "docs" / "largebatch.md"
 BLOCK = "optim-update"
+BLOCK_CUDA = "optim-update-cuda"
 TARGET = 2.0  # fused >= 2x faster than the per-parameter loop
 OPTIMIZERS = ("lars", "lamb")
 PATHS = ("foreach", "loop")
@@ -151,7 +154,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"default: {RESULTS.name}, or {RESULTS_CUDA.name} for a CUDA run")
     ap.add_argument("--doc", type=Path, default=DOC)
     ap.add_argument("--table-only", action="store_true", help="only re-render --doc from --out")
     args = ap.parse_args(argv)
@@ -159,6 +163,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--steps must be >= 1 and --warmup >= 0")
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device here")
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.out is None:
+        args.out = RESULTS_CUDA if cuda else RESULTS
     return args
 
 
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     body = render(doc)
-    acc.write_doc(args.doc, BLOCK, body)
+    acc.write_doc(args.doc, BLOCK_CUDA if doc.get("device") == "cuda" else BLOCK, body)
     print(body)
     return 0
 

@@ -22,7 +22,10 @@ suits a CPU. These profiles say what a V100, A100 or H100 computes instead, with
 
 Deterministic: FLOPs and shapes only, no timing. Regenerate with
 ``python -m lowcomm.sim.gpu_profiles [--out DIR]``; replace by a measured profile whenever a
-GPU is at hand (``lowcomm profile --device cuda``).
+GPU is at hand (``lowcomm profile --device cuda``). The H100 cells are such measurements
+(:data:`MEASURED_DEVICES`, ``benchmarks/gpu_profiles_measured.py`` on an H100 80GB HBM3,
+2026-11-25): :func:`write_all` leaves them alone, and :func:`build_profile` still derives an
+H100 cell on request, to compare the derivation with the measurement (docs/simulator.md).
 """
 
 from __future__ import annotations
@@ -299,11 +302,17 @@ def _factorized(spec: ModelSpec, b: int, full_step: float,
                    optimizer_s=opt, notes=f"Pufferfish hybrid; compute scaled by FLOPs ratio {ratio:.3f}")
 
 
+#: Devices whose shipped profiles were measured on the GPU itself (not rebuilt from figures).
+MEASURED_DEVICES: tuple[str, ...] = ("h100",)
+
+
 def write_all(out: Path = PROFILE_DIR) -> list[Path]:
-    """Regenerate every shipped profile JSON under ``out``."""
+    """Regenerate every derived shipped profile JSON under ``out`` (measured ones are kept)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for d in DEVICES:
+        if d in MEASURED_DEVICES:
+            continue
         for m in MODELS:
             p = out / f"{d}-{m}.json"
             build_profile(d, m).save(p)
@@ -312,7 +321,7 @@ def write_all(out: Path = PROFILE_DIR) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lowcomm.sim.gpu_profiles [--out DIR]``: rewrite the shipped profiles."""
+    """``python -m lowcomm.sim.gpu_profiles [--out DIR]``: rewrite the derived shipped profiles."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(PROFILE_DIR))
     args = ap.parse_args(argv)
