@@ -19,7 +19,11 @@ copy bandwidth, and for powersgd/acpsgd the larger of that and the matmul FLOPs 
 measured matmul rate. Target: every kernel within 3x of its bound (issue 18).
 
     python benchmarks/kernels.py --json out.json --markdown out.md [--models resnet18]
-        [--compressors signsgd,signum] [--worlds 4,16] [--reps 3]
+        [--compressors signsgd,signum] [--worlds 4,16] [--reps 3] [--device cuda]
+
+``--device cuda`` times the codecs' device paths (the buffer on the GPU; the device is
+synchronized before and after every timed call) against the GPU's measured copy bandwidth and
+matmul rate; there, kernels of a few microseconds are bound by launch latency, not bytes.
 
 Timings depend on the machine and its load: compare figures of one run with each other.
 """
@@ -70,6 +74,13 @@ def received(msg: Message, world: int) -> torch.Tensor:
 #: on its second call, 4.3 ms from its fourth on); one warm-up caught that transient.
 WARMUP = 3
 
+def _no_sync() -> None:
+    return None
+
+
+#: waits for the device's queued work (set for ``--device cuda``): timings include the kernels
+_sync: Callable[[], None] = _no_sync
+
 
 def timed(fn: Callable[[], float | None], setup: Callable[[], Any], reps: int) -> float:
     """Median seconds of ``fn`` over ``reps`` runs after :data:`WARMUP` untimed ones; ``setup``
@@ -77,8 +88,10 @@ def timed(fn: Callable[[], float | None], setup: Callable[[], Any], reps: int) -
     samples = []
     for i in range(reps + WARMUP):
         setup()
+        _sync()
         t0 = time.perf_counter()
         own = fn()
+        _sync()
         dt = time.perf_counter() - t0 if own is None else own
         if i >= WARMUP:
             samples.append(dt)
@@ -93,13 +106,31 @@ def compressing(codec: Codec, offset: int = 0) -> Codec:
     return codec
 
 
+def primed(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Tensor, world: int,
+           offset: int = 0) -> Codec:
+    """``codec`` after one full step per step kind (encode, the rounds, decode), set back to its
+    compressed step ``offset``: the steady state of training, where the low-rank codecs'
+    factor tables are filled (a first step draws them from a seeded generator on the host and
+    copies them over, which a timed encode would otherwise repeat on every call). Returns it."""
+    out = torch.empty_like(x)
+    for o in step_offsets(type(codec)):
+        compressing(codec, o)
+        buf = x.clone()
+        codec.accumulate(buf, layout, finite)
+        msg = codec.encode(buf, layout, finite)
+        while not msg.final:
+            msg = codec.advance(msg, received(msg, world))
+        codec.decode(msg, received(msg, world), out)
+    return compressing(codec, offset)
+
+
 def step_offsets(cls: type[Codec]) -> tuple[int, ...]:
     """The compressed steps timed: two consecutive ones for a codec whose steps alternate
     (ACP-SGD's P- and Q-steps run different kernels; the figure is their mean), else one."""
     return (0, 1) if hasattr(cls, "p_step") else (0,)
 
 
-def stateless(cls: type[Codec], world: int, offset: int = 0) -> Codec:
+def stateless(cls: type[Codec], world: int, offset: int = 0, prime: tuple[torch.Tensor, Layout, torch.Tensor] | None = None) -> Codec:
     """The codec with its state off: no error feedback, no velocity, no Signum momentum."""
     opts = cls.Options()
     changes = {f: False for f in ("error_feedback", "momentum_correction")
@@ -107,6 +138,8 @@ def stateless(cls: type[Codec], world: int, offset: int = 0) -> Codec:
     codec = cls(dataclasses.replace(opts, **changes) if changes else opts, world=world)
     if isinstance(codec, PayloadCodec) and type(codec.encoder) is not Direct:
         codec.encoder = Direct(codec.compressor, store=codec.memory)
+    if prime is not None:
+        return primed(codec, *prime, world, offset)
     return compressing(codec, offset)
 
 
@@ -121,7 +154,7 @@ def time_encode(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Ten
 
 def time_decode(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.Tensor, world: int,
                 reps: int, offset: int = 0) -> float:
-    codec = compressing(cls(world=world).as_trained(), offset)
+    codec = primed(cls(world=world).as_trained(), x, layout, finite, world, offset)
     buf, out = torch.empty_like(x), torch.empty_like(x)
     state: dict[str, Message] = {}
 
@@ -134,12 +167,16 @@ def time_decode(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch
         msg, spent = state["msg"], 0.0
         while not msg.final:
             rec = received(msg, world)
+            _sync()
             t0 = time.perf_counter()
             msg = codec.advance(msg, rec)
+            _sync()
             spent += time.perf_counter() - t0
         rec = received(msg, world)
+        _sync()
         t0 = time.perf_counter()
         codec.decode(msg, rec, out)
+        _sync()
         return spent + time.perf_counter() - t0
     return timed(run, setup, reps)
 
@@ -157,13 +194,14 @@ def row(compressor: str, kernel: str, model: str, world: int, seconds: float, nb
 
 
 def measure(model: str, names: list[str], worlds: list[int], reps: int, bandwidth: float,
-            flop_rate: float) -> list[dict[str, Any]]:
+            flop_rate: float, device: torch.device | None = None) -> list[dict[str, Any]]:
     shapes = model_shapes(model)
     pnames = [f"p{i}" for i in range(len(shapes))]
     layout = Layout.of(pnames, shapes, {n: i for i, n in enumerate(pnames)})
     numel = layout.numel
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(0))
-    finite = torch.ones((), dtype=torch.bool)
+    device = device or torch.device("cpu")
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+    finite = torch.ones((), dtype=torch.bool, device=device)
     rows = []
     for name in names:
         cls = codec_class(name)
@@ -171,12 +209,13 @@ def measure(model: str, names: list[str], worlds: list[int], reps: int, bandwidt
         nb = kernel_bytes(name, numel, world=enc_world, shapes=shapes)
         fl = kernel_flops(name, shapes, rank=4, world=enc_world)
         offsets = step_offsets(cls)
-        full = statistics.mean(time_encode(compressing(cls(world=enc_world).as_trained(), o), x, layout, finite, reps)
-                               for o in offsets)
+        full = statistics.mean(time_encode(primed(cls(world=enc_world).as_trained(), x, layout, finite, enc_world, o),
+                                           x, layout, finite, reps) for o in offsets)
         rows.append(row(name, "encode", model, enc_world, full, nb["encode"], fl.get("encode", 0.0),
                         bandwidth, flop_rate, numel))
         if nb["feedback"]:
-            bare = statistics.mean(time_encode(stateless(cls, enc_world, o), x, layout, finite, reps) for o in offsets)
+            bare = statistics.mean(time_encode(stateless(cls, enc_world, o, (x, layout, finite)), x, layout, finite, reps)
+                                   for o in offsets)
             rows.append(row(name, "feedback", model, enc_world, max(0.0, full - bare), nb["feedback"], 0.0,
                             bandwidth, flop_rate, numel))
         for w in worlds:
@@ -192,7 +231,7 @@ def measure(model: str, names: list[str], worlds: list[int], reps: int, bandwidt
 
 
 def markdown(rows: list[dict[str, Any]], header: dict[str, Any]) -> str:
-    lines = [f"Kernels, one thread: copy bandwidth {header['copy_bandwidth_GBps']:.2f} GB/s (read+write), "
+    lines = [f"Kernels, {header.get('device', 'cpu')}, one thread: copy bandwidth {header['copy_bandwidth_GBps']:.2f} GB/s (read+write), "
              f"matmul {header['matmul_GFLOPs']:.1f} GFLOP/s, load average {header['loadavg']}; "
              f"target: ratio <= {TARGET:g}x.", "",
              "| compressor | kernel | model | P | ms | bound ms | ratio to bound | target |",
@@ -212,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compressors", default="all", help="comma list of registered compressors, or all")
     ap.add_argument("--worlds", default="4,16", help="worker counts of the decode (first: the encode's)")
     ap.add_argument("--reps", type=int, default=3, help="timed repeats per figure (median)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the buffers live")
     args = ap.parse_args(argv)
     valid = CODECS.names()
     names = valid if args.compressors == "all" else [c for c in args.compressors.split(",") if c]
@@ -223,7 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = ([f"compressor {c!r} (valid: {', '.join(valid)})" for c in names if c not in valid]
            + [f"model {m!r} (valid: {', '.join(MODELS)})" for m in models if m not in MODELS]
            + ([] if worlds and all(w >= 1 for w in worlds) else [f"worlds {args.worlds!r} (integers >= 1)"])
-           + ([] if args.reps >= 1 else [f"reps {args.reps} (>= 1)"]))
+           + ([] if args.reps >= 1 else [f"reps {args.reps} (>= 1)"])
+           + ([] if args.device == "cpu" or torch.cuda.is_available() else ["device 'cuda' (CUDA is not available here)"]))
     if bad:
         print("kernels.py: unknown " + "; ".join(bad), file=sys.stderr)
         return 2
@@ -236,13 +277,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, names: list[str], models: list[str], worlds: list[int]) -> int:
-    bandwidth = copy_bandwidth_bytes_per_s()
-    flop_rate = matmul_flops_per_s()
+    global _sync
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        _sync = torch.cuda.synchronize
+    # on a GPU a 1024^3 product is a few microseconds of launch: time one that fills the chip
+    bandwidth = copy_bandwidth_bytes_per_s(1 << 26 if cuda else 1 << 24, device=device)
+    flop_rate = matmul_flops_per_s(8192 if cuda else 1024, device=device)
     header = {"copy_bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flop_rate / 1e9, "threads": 1,
-              "loadavg": " ".join(f"{v:.2f}" for v in os.getloadavg()), "torch": torch.__version__}
+              "loadavg": " ".join(f"{v:.2f}" for v in os.getloadavg()), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     print(f"copy {header['copy_bandwidth_GBps']:.2f} GB/s, matmul {header['matmul_GFLOPs']:.1f} GFLOP/s",
           file=sys.stderr, flush=True)
-    rows = [r for m in models for r in measure(m, names, worlds, args.reps, bandwidth, flop_rate)]
+    rows = [r for m in models for r in measure(m, names, worlds, args.reps, bandwidth, flop_rate, device)]
     table = markdown(rows, header)
     print(table)
     if args.json:

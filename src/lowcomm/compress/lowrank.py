@@ -193,8 +193,8 @@ class LowRankCodec(Codec):
         if self.options.error_feedback and plan.compressed:
             csizes = [sizes[i] for i in plan.compressed]
             mem = list(self.store.get([layout.names[i] for i in plan.compressed], csizes, flat).split(csizes))
-            for j, i in enumerate(plan.compressed):
-                views[i].view(-1).add_(mem[j])
+            # one multi-tensor op, not one launch per matrix (a GPU's encode is launch-bound)
+            torch._foreach_add_([views[i].view(-1) for i in plan.compressed], mem)
         mats: list[Batched] = []
         for b in plan.batches:
             ms = [views[plan.compressed[j]].view(b.n, b.m) for j in b.members]
