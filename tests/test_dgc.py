@@ -268,8 +268,9 @@ def test_clipping_is_on_by_default_where_it_was_measured() -> None:
                           ("acpsgd", 2, 0.9, 5)])
 def test_low_rank_codecs_clip_each_tensor_before_anything_else(name: str, world: int, momentum: float,
                                                                 start_iter: int) -> None:
-    """On every path: ACP-SGD's compressed CPU step defers the velocity into its encode, but
-    not the clipping (it needs whole norms); the dense warm-up clips too."""
+    """On every path: ACP-SGD's compressed CPU step takes the clipping's norms in accumulate
+    (they need whole tensors) and defers the scaling and the velocity into its fused encode,
+    leaving the buffer as it came until then; the dense warm-up clips in place."""
     clip = 1.0
     thr = clip_threshold(clip, world)
     codec = make(name, world, momentum=momentum, start_iter=start_iter, clip=clip)[0]
@@ -278,11 +279,14 @@ def test_low_rank_codecs_clip_each_tensor_before_anything_else(name: str, world:
     flat[small] *= 1e-4  # p1: below the bound, left as it is
     orig = flat.clone()
     codec.accumulate(flat, LAYOUT, finite_flag(flat))
-    if name == "acpsgd" and momentum and not start_iter:  # deferred: the buffer holds g, clipped
-        assert codec._deferred
+    if name == "acpsgd" and not start_iter:  # deferred: the buffer holds g; the factors wait
+        pending = codec._deferred[LAYOUT.names]
+        assert torch.equal(flat, orig) and pending.stage == bool(momentum)
+        clipped = [seg * scale for seg, scale in zip(orig.split(LAYOUT.sizes), pending.scales)]
     else:  # the velocity stage ran: with zero velocity so far, u = g, clipped
         assert not getattr(codec, "_deferred", None)
-    for j, (seg, before) in enumerate(zip(flat.split(LAYOUT.sizes), orig.split(LAYOUT.sizes))):
+        clipped = list(flat.split(LAYOUT.sizes))
+    for j, (seg, before) in enumerate(zip(clipped, orig.split(LAYOUT.sizes))):
         if float(before.norm()) <= thr:
             assert torch.equal(seg, before), j
         else:

@@ -97,11 +97,13 @@ def test_acpsgd_warm_up_accumulate_is_never_deferred() -> None:
 @pytest.mark.parametrize("kernels", ["compiled", "blas"])
 @pytest.mark.parametrize("rows", [True, False])
 @pytest.mark.parametrize("velocity", [None, "stage", "mask only"])
+@pytest.mark.parametrize("scale", [1.0, 0.37])
 def test_fused_step_equals_the_plain_formulas_over_many_blocks(
-        kernels: str, rows: bool, velocity: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+        kernels: str, rows: bool, velocity: str | None, scale: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """ACP-SGD's fused encode of one matrix, compiled (numba) and by BLAS blocks (without it),
     with blocks small enough that a Q-step spans several column blocks and a short last one:
-    factor, residual and masked velocity equal the unfused formulas."""
+    factor, residual and masked velocity equal the unfused formulas, the gradient scaled by
+    its clipping factor as it is read (``scale``) and left as it came."""
     from kernels_testlib import require_compiled
     from lowcomm.compress import native
 
@@ -116,10 +118,13 @@ def test_fused_step_equals_the_plain_formulas_over_many_blocks(
     u0 = torch.randn(n, m, generator=_gen(32))
     f = orthogonalize(torch.randn(m if rows else n, r, generator=_gen(33)))
     e, u, out = e0.clone(), u0.clone(), torch.empty(n if rows else m, r)
+    g_in = g.clone()
     matrices.fused_step(g, e, f, out, rows=rows, velocity=u if velocity else None,
-                        momentum=mom if velocity == "stage" else None)
-    u_new = g + mom * u0 if velocity == "stage" else u0
-    c = e0 + (u_new if velocity == "stage" else g)
+                        momentum=mom if velocity == "stage" else None, scale=scale)
+    assert torch.equal(g, g_in)
+    gs = g * scale
+    u_new = gs + mom * u0 if velocity == "stage" else u0
+    c = e0 + (u_new if velocity == "stage" else gs)
     want_out = c @ f if rows else c.T @ f
     want_e = c - (want_out @ f.T if rows else f @ want_out.T)
     want_u = u_new - (u_new @ f @ f.T if rows else f @ (f.T @ u_new))

@@ -35,6 +35,17 @@ class ACPSGDOptions(LowRankOptions):
     against 1.71x with ``"20%"``."""
 
 
+@dataclass
+class _Pending:
+    """What :meth:`ACPSGDCodec.accumulate` left to the fused encode: the buffer and its flag,
+    whether the velocity stage is due, and the clipping factor per tensor (None: no clipping)."""
+
+    flat: torch.Tensor
+    finite: torch.Tensor
+    stage: bool
+    scales: list[float] | None
+
+
 @register_codec
 class ACPSGDCodec(LowRankCodec):
     """ACP-SGD: one message per step, P- and Q-steps alternating; local memory."""
@@ -47,38 +58,43 @@ class ACPSGDCodec(LowRankCodec):
 
     def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
         super().__init__(options, world=world, rank=rank)
-        #: velocity stages deferred into the fused encode, per layout: (buffer, finite flag)
-        self._deferred: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        #: clipping and velocity stages deferred into the fused encode, per layout
+        self._deferred: dict[tuple[str, ...], _Pending] = {}
 
     def _fusable(self, flat: torch.Tensor, finite: torch.Tensor) -> bool:
         """Whether :meth:`encode` takes the fused CPU form for this buffer and flag."""
         return bool(self.options.error_feedback) and flat.is_contiguous() and _cpu_true(finite, flat)
 
     def accumulate(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> None:
-        """The velocity stage; on a compressed CPU step whose encode will be fused, deferred
-        into that encode (:meth:`_encode_fused`: ``u <- g + m u`` block by block with the
-        rest, instead of two full passes over ``g`` and ``u`` before it).
+        """The clipping and the velocity stage; on a compressed CPU step whose encode will be
+        fused, deferred into that encode (:meth:`_encode_fused`: each tensor scaled by its
+        clipping factor as it is read, ``u <- g + m u`` block by block with the rest, instead
+        of the clipping's scaling pass and two full passes over ``g`` and ``u`` before it).
+        The clipping's norms need the whole tensors, so they are taken here (one read).
 
         Why safe: every transport calls :meth:`encode` on the same buffer right after this
         on compressed steps (warm-up steps are not deferred), and what the fused encode
-        leaves in the buffer's matrices (the raw gradient, not the velocity) is read by
-        no one before :meth:`decode` overwrites it with the mean."""
-        if self.momentum_factor != 0.0 and self.active and self._fusable(flat, finite):
-            self.clip_(flat, layout)  # (the clipping is not deferred: it needs whole norms)
-            self._deferred[layout.names] = (flat, finite)
+        leaves in the buffer's matrices (the raw gradient, not the clipped velocity) is read
+        by no one before :meth:`decode` overwrites it with the mean."""
+        stage = self.momentum_factor != 0.0
+        if (stage or self.clip_norm > 0) and self.active and self._fusable(flat, finite):
+            self._deferred[layout.names] = _Pending(flat, finite, stage, self.clip_scales(flat, layout))
             return
         super().accumulate(flat, layout, finite)
 
-    def _undefer(self, flat: torch.Tensor, layout: Layout) -> bool:
-        """Whether a velocity stage is deferred for ``flat``; one deferred for another buffer
-        (no transport does that) is applied now, the plain way."""
+    def _undefer(self, flat: torch.Tensor, layout: Layout) -> _Pending | None:
+        """What :meth:`accumulate` deferred for ``flat`` (None: nothing); one deferred for
+        another buffer (no transport does that) is applied now, the plain way."""
         pending = self._deferred.pop(layout.names, None)
         if pending is None:
-            return False
-        if pending[0].data_ptr() == flat.data_ptr() and pending[0].numel() == flat.numel():
-            return True
-        self.add_velocity(pending[0], layout, pending[1])  # (clipped when it was deferred)
-        return False
+            return None
+        if pending.flat.data_ptr() == flat.data_ptr() and pending.flat.numel() == flat.numel():
+            return pending
+        if pending.scales is not None:
+            torch._foreach_mul_(list(pending.flat.split(layout.sizes)), pending.scales)
+        if pending.stage:
+            self.add_velocity(pending.flat, layout, pending.finite)
+        return None
 
     def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
         """Orthogonalize the fixed factor, multiply, and the local residual (a second product)."""
@@ -94,9 +110,9 @@ class ACPSGDCodec(LowRankCodec):
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *, pad_to: int = 1) -> Message:
         """P-step: ``[uncompressed, M orth(Q_last)]``; Q-step: ``[uncompressed, M^T orth(P_last)]``."""
-        deferred = self._undefer(flat, layout)  # (only ever for a buffer that is _fusable)
-        if deferred or self._fusable(flat, finite):
-            return self._encode_fused(flat, layout, finite, pad_to, deferred)
+        pending = self._undefer(flat, layout)  # (only ever for a buffer that is _fusable)
+        if pending is not None or self._fusable(flat, finite):
+            return self._encode_fused(flat, layout, finite, pad_to, pending)
         st = self.inputs(flat, layout, finite)
         if not st.plan.batches:
             return self.message(st, [], name="unc", final=True, pad_to=pad_to)
@@ -114,7 +130,7 @@ class ACPSGDCodec(LowRankCodec):
         return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
 
     def _encode_fused(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, pad_to: int,
-                      velocity: bool = False) -> Message:
+                      pending: _Pending | None = None) -> Message:
         """:meth:`encode` on CPU with a finite input and error feedback: one pass per matrix.
 
         Why: a P-step's ``P = M F`` row ``i`` needs only row ``i`` of ``M = g + e`` and its
@@ -127,12 +143,18 @@ class ACPSGDCodec(LowRankCodec):
         summation order (the factor is a sum over the matrix's other side). A loop over
         blocks, not elements: three BLAS/vector calls per block.
 
-        ``velocity``: :meth:`accumulate` was deferred here: the uncompressed tensors get the
-        velocity stage first (they are small), the matrices block by block (``u <- g + m u``,
-        then ``e += u``), so ``g`` and ``u`` are read once instead of three times."""
+        ``pending``: :meth:`accumulate` was deferred here: the uncompressed tensors are clipped
+        and get the velocity stage first (they are small), the matrices block by block (``g``
+        scaled by its clipping factor as it is read, ``u <- g + m u``, then ``e += u``), so
+        ``g`` and ``u`` are read once instead of three times."""
         plan = self.plan(layout)
         sizes = layout.sizes
         views = flat.split(sizes)
+        velocity = pending is not None and pending.stage
+        scales = pending.scales if pending is not None else None
+        if scales is not None:
+            for i in plan.uncompressed:
+                views[i].mul_(scales[i])
         mom = self.momentum_factor if velocity else None
         vel = self.velocity.get(layout.names, sizes, flat) if velocity else None
         if vel is not None:
@@ -160,7 +182,7 @@ class ACPSGDCodec(LowRankCodec):
                 i = plan.compressed[j]
                 um = uviews[i].view(b.n, b.m) if uviews is not None else None
                 fused_step(views[i].view(b.n, b.m), mem[j].view(b.n, b.m), fixed[k], out[k], rows=p, velocity=um,
-                           momentum=mom, mask=masking)
+                           momentum=mom, mask=masking, scale=scales[i] if scales is not None else 1.0)
             sent.append(out)
         return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
 

@@ -73,12 +73,20 @@ def clip_segments_(flat: torch.Tensor, sizes: Sequence[int], threshold: float) -
     """
     if threshold <= 0 or flat.numel() == 0:
         return flat
-    acc = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
     parts = list(flat.split(list(sizes) if sizes else [flat.numel()]))
     # batched: every norm in one call, every factor in one vector op, every scaling in one
     # call (the same per-tensor norms and products as a loop, bit for bit; two passes over
     # ``flat``, the least: the factor needs the whole norm before any element is scaled)
-    norms = torch.stack(torch._foreach_norm(parts, dtype=acc))
-    factors = (threshold / (norms + CLIP_EPS)).clamp_(max=1.0).to(flat.dtype)
-    torch._foreach_mul_(parts, list(factors.unbind()))
+    torch._foreach_mul_(parts, list(clip_factors(flat, sizes, threshold).unbind()))
     return flat
+
+
+def clip_factors(flat: torch.Tensor, sizes: Sequence[int], threshold: float) -> torch.Tensor:
+    """The factors :func:`clip_segments_` scales the segments by, one per segment, in
+    ``flat``'s dtype: ``min(1, threshold / (||x|| + eps))`` (one read of ``flat``). For a
+    kernel that applies them while it reads the segments anyway (ACP-SGD's fused encode),
+    which saves the scaling pass. ``threshold > 0``."""
+    acc = torch.float32 if flat.dtype in (torch.float16, torch.bfloat16) else flat.dtype
+    parts = list(flat.split(list(sizes) if sizes else [flat.numel()]))
+    norms = torch.stack(torch._foreach_norm(parts, dtype=acc))
+    return (threshold / (norms + CLIP_EPS)).clamp_(max=1.0).to(flat.dtype)

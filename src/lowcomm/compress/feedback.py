@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 import torch
 
 from lowcomm.compress.base import Compressor, cpu_fast
-from lowcomm.compress.dgc import clip_segments_, clip_threshold
+from lowcomm.compress.dgc import clip_factors, clip_segments_, clip_threshold
 from lowcomm.compress.options import check_momentum
 from lowcomm.errors import UsageError
 
@@ -240,6 +240,15 @@ class Velocity:
         clip = self.clip_norm
         if clip > 0:
             clip_segments_(flat, layout.sizes, clip_threshold(clip, self.world))
+
+    def clip_scales(self, flat: torch.Tensor, layout: Layout) -> list[float] | None:
+        """The per-tensor factors :meth:`clip_` would scale ``flat``'s tensors by, read to the
+        host (None when clipping is off): for a CPU encode that applies them in its own pass
+        over the gradient. Host values: call it only where ``flat`` is on the CPU."""
+        clip = self.clip_norm
+        if clip <= 0:
+            return None
+        return [float(v) for v in clip_factors(flat, layout.sizes, clip_threshold(clip, self.world)).tolist()]
 
     def set_momentum(self, m: float) -> None:
         """The optimizer's momentum ``m`` moved into the codec (trainer, engine, hooks API).

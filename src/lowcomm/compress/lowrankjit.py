@@ -80,32 +80,33 @@ def _dot(x: np.ndarray, y: np.ndarray) -> np.float32:  # pragma: no cover - comp
 
 @numba.njit(inline="always", cache=True)
 def _accumulate(e: np.ndarray, g: np.ndarray, u: np.ndarray, momentum: float,
-                stage: bool) -> None:  # pragma: no cover - compiled
-    """ACP-SGD's velocity stage on one row (slice): ``u <- g + momentum u``, ``e += u`` with
-    ``stage``, else ``e += g`` (``u`` unread)."""
+                stage: bool, scale: float) -> None:  # pragma: no cover - compiled
+    """ACP-SGD's velocity stage on one row (slice) of the gradient ``g`` clipped by ``scale``
+    (1.0: no clipping, exact): ``u <- scale g + momentum u``, ``e += u`` with ``stage``, else
+    ``e += scale g`` (``u`` unread)."""
     if stage:
         for j in range(e.shape[0]):
-            u[j] = g[j] + momentum * u[j]
+            u[j] = scale * g[j] + momentum * u[j]
             e[j] += u[j]
     else:
         for j in range(e.shape[0]):
-            e[j] += g[j]
+            e[j] += scale * g[j]
 
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def p_step_rows(g: np.ndarray, e: np.ndarray, u: np.ndarray, ft: np.ndarray, out: np.ndarray,
-                momentum: float, stage: bool, mask: bool) -> None:  # pragma: no cover - compiled
+                momentum: float, stage: bool, mask: bool, scale: float) -> None:  # pragma: no cover - compiled
     """ACP-SGD's P-step encode of one ``n x m`` matrix, one row at a time while it is in L1:
     with ``stage``, ``u_i <- g_i + momentum u_i`` and ``e_i += u_i`` (else ``e_i += g_i``);
     ``out_i = e_i F`` (``ft`` is ``Fᵀ``, ``r x m``); ``e_i -= out_i Fᵀ``; with ``mask``,
     ``u_i -= (u_i F) Fᵀ``. ``g``, ``e`` and ``u`` are read and written once. Reassociation is
     allowed here (the row sums vectorize; the results differ from BLAS's by summation order,
-    as BLAS's differ between machines)."""
+    as BLAS's differ between machines). ``g`` enters scaled by ``scale`` (the clipping)."""
     r = ft.shape[0]
     w = np.empty(r, dtype=e.dtype)
     for i in range(e.shape[0]):
         ei = e[i]
-        _accumulate(ei, g[i], u[i] if stage else ei, momentum, stage)
+        _accumulate(ei, g[i], u[i] if stage else ei, momentum, stage, scale)
         for q in range(r):
             out[i, q] = _dot(ei, ft[q])
         for q in range(r):
@@ -120,7 +121,7 @@ def p_step_rows(g: np.ndarray, e: np.ndarray, u: np.ndarray, ft: np.ndarray, out
 
 @numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"})
 def q_step_cols(g: np.ndarray, e: np.ndarray, u: np.ndarray, f: np.ndarray, out: np.ndarray,
-                momentum: float, stage: bool, mask: bool, block: int) -> None:  # pragma: no cover
+                momentum: float, stage: bool, mask: bool, block: int, scale: float) -> None:  # pragma: no cover
     """ACP-SGD's Q-step encode of one ``n x m`` matrix by column blocks of ``block`` columns
     (all rows of a block stay in L2): the velocity stage and ``e += u`` (or ``g``) while
     ``Qᵀ += F[i] ⊗ e_i`` (and, with ``mask``, ``Wᵀ += F[i] ⊗ u_i``) accumulate row by row; then
@@ -137,7 +138,7 @@ def q_step_cols(g: np.ndarray, e: np.ndarray, u: np.ndarray, f: np.ndarray, out:
         wt[:, :w] = 0.0
         for i in range(n):
             ei = e[i, c0:c1]
-            _accumulate(ei, g[i, c0:c1], u[i, c0:c1] if stage else ei, momentum, stage)
+            _accumulate(ei, g[i, c0:c1], u[i, c0:c1] if stage else ei, momentum, stage, scale)
             for q in range(r):
                 _axpy(f[i, q], ei, qt[q, :w])
             if mask:

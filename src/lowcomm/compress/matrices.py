@@ -151,7 +151,7 @@ BLOCK = 1 << 18
 
 def fused_step(g: torch.Tensor, e: torch.Tensor, f: torch.Tensor, out: torch.Tensor, *, rows: bool,
                velocity: torch.Tensor | None = None, momentum: float | None = None,
-               mask: bool = True) -> None:
+               mask: bool = True, scale: float = 1.0) -> None:
     """ACP-SGD's encode of one ``n x m`` matrix, block by block, in place (CPU).
 
     ``e += g``; ``out = e @ f`` (``rows``: a P-step, ``f`` is ``m x r``) or ``e^T @ f`` (a
@@ -163,12 +163,16 @@ def fused_step(g: torch.Tensor, e: torch.Tensor, f: torch.Tensor, out: torch.Ten
     then ``e += u``. Row blocks for a P-step, column blocks for a Q-step: each block of the
     factor, the residual and the masked velocity depends on that block of ``e`` (and ``u``)
     alone, so each block is read from memory once. The products take the fast CPU form
-    ``f^T @ block`` (see :func:`batched_mm`).
+    ``f^T @ block`` (see :func:`batched_mm`). ``scale``: the gradient's clipping factor
+    (:meth:`~lowcomm.compress.feedback.Velocity.clip_scales`), applied as ``g`` is read,
+    which saves the clipping's own pass over ``g`` (1.0: none).
     """
     n, m = e.shape
     ft = f.T
-    if _step_compiled(g, e, f, out, velocity, momentum, mask, rows=rows):
+    if _step_compiled(g, e, f, out, velocity, momentum, mask, rows=rows, scale=scale):
         return
+    if scale != 1.0:
+        g = g * scale  # (the BLAS-block fallback: a scaled copy, as the clipping pass made)
     if rows:
         step = max(1, BLOCK // m)
         for a in range(0, n, step):  # over blocks, not elements: 3-6 BLAS/vector calls each
@@ -198,7 +202,8 @@ def fused_step(g: torch.Tensor, e: torch.Tensor, f: torch.Tensor, out: torch.Ten
 
 
 def _step_compiled(g: torch.Tensor, e: torch.Tensor, f: torch.Tensor, out: torch.Tensor,
-                   velocity: torch.Tensor | None, momentum: float | None, mask: bool, *, rows: bool) -> bool:
+                   velocity: torch.Tensor | None, momentum: float | None, mask: bool, *, rows: bool,
+                   scale: float = 1.0) -> bool:
     """:func:`fused_step` by :func:`lowcomm.compress.lowrankjit.p_step_rows` (``rows``) or
     :func:`~lowcomm.compress.lowrankjit.q_step_cols` where the tensors allow it (float32 CPU,
     contiguous matrices); ``False`` (nothing done) otherwise."""
@@ -214,10 +219,10 @@ def _step_compiled(g: torch.Tensor, e: torch.Tensor, f: torch.Tensor, out: torch
     masked = bool(mask and velocity is not None)
     if rows:
         jit.p_step_rows(g.numpy(), e.numpy(), u, f.T.contiguous().numpy(), out.numpy(), float(momentum or 0.0),
-                        stage, masked)
+                        stage, masked, float(scale))
     else:
         jit.q_step_cols(g.numpy(), e.numpy(), u, f.contiguous().numpy(), out.numpy(), float(momentum or 0.0),
-                        stage, masked, max(1, (BLOCK // 2) // e.shape[0]))
+                        stage, masked, max(1, (BLOCK // 2) // e.shape[0]), float(scale))
     return True
 
 
