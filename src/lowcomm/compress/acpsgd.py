@@ -3,7 +3,8 @@ across iterations, so each step sends one factor in one all-reduce, and a local 
 
 Shares the low-rank machinery of :mod:`lowcomm.compress.lowrank` (plans, factors, messages,
 masking); what is ACP-SGD's own is here: the alternation and the fused CPU encode
-(compensate, product, residual and masked velocity per cache-sized block).
+(clipping's scaling, velocity, compensation, product, residual and masked velocity per
+cache-sized block).
 """
 
 from __future__ import annotations
