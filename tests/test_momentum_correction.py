@@ -423,12 +423,13 @@ def _masked_velocity(name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """(velocity before masking, after, the basis sent, whether it is a right basis) after one
     compressed step of a 1-worker codec with momentum correction."""
     torch.manual_seed(0)
-    codec = codec_class(name)(codec_class(name).Options(rank=2, start_iter=0))
+    # no clipping: the velocity this step compresses is then ``flat`` itself on a first step
+    # (zero velocity), on every path (acpsgd's CPU encode applies the clipping and the
+    # velocity stage itself, after accumulate)
+    codec = codec_class(name)(codec_class(name).Options(rank=2, start_iter=0, clip=0.0))
     codec.set_momentum(MU)
     flat = torch.randn(192)
     codec.accumulate(flat, MATRIX, TRUE)
-    # the velocity this step compresses: ``flat`` itself on a first step (zero velocity), and
-    # what ``flat`` holds after accumulate (acpsgd's CPU encode applies the stage itself)
     before = flat.clone().view(16, 12)
     msg = codec.encode(flat, MATRIX, TRUE)
     if name == "powersgd":
