@@ -74,15 +74,6 @@ def _inputs(name: str, b: int, device: torch.device) -> tuple[torch.Tensor, torc
             torch.randint(0, vocab, (b, seq), generator=g).to(device))
 
 
-def _make(name: str) -> nn.Module:
-    spec = MODELS[name]
-    if spec.model_name in ("bert_base", "vgg16"):
-        return spec.make()
-    from lowcomm import models
-
-    return models.create(spec.model_name)
-
-
 def measure(name: str, device: torch.device, iters: int, warmup: int, gpu: str) -> Profile:
     """One model's measured profile (and its Pufferfish form where the shipped one has it)."""
     spec = MODELS[name]
@@ -106,7 +97,7 @@ def measure(name: str, device: torch.device, iters: int, warmup: int, gpu: str) 
                 f"layer times scaled by {scale:.3f}")
         return prof, note
 
-    prof, note = one(_make(name).to(device), spec.model_name, True)
+    prof, note = one(spec.make().to(device), spec.model_name, True)
     prof.device = gpu
     prof.notes = (f"measured by benchmarks/gpu_profiles_measured.py on {gpu}, torch "
                   f"{torch.__version__}, fp32 weights with TF32 matrix units; {spec.describe}; "
@@ -116,7 +107,7 @@ def measure(name: str, device: torch.device, iters: int, warmup: int, gpu: str) 
         from lowcomm.lowrank import factorize
 
         torch.manual_seed(0)
-        small = factorize(_make(name), inplace=True).to(device)
+        small = factorize(spec.make(), inplace=True).to(device)
         fact, fnote = one(small, f"{spec.model_name}:pufferfish", False)
         fact.costs, fact.compressors, fact.device = prof.costs, prof.compressors, gpu
         fact.notes = f"Pufferfish hybrid, measured; {fnote}"

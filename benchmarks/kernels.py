@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
            + ([] if args.reps >= 1 else [f"reps {args.reps} (>= 1)"])
            + ([] if args.device == "cpu" or torch.cuda.is_available() else ["device 'cuda' (CUDA is not available here)"]))
     if bad:
-        print("kernels.py: unknown " + "; ".join(bad), file=sys.stderr)
+        print("kernels.py: invalid " + "; ".join(bad), file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -91,10 +91,7 @@ class ACPSGDCodec(LowRankCodec):
             return None
         if pending.flat.data_ptr() == flat.data_ptr() and pending.flat.numel() == flat.numel():
             return pending
-        if pending.scales is not None:
-            torch._foreach_mul_(list(pending.flat.split(layout.sizes)), pending.scales)
-        if pending.stage:
-            self.add_velocity(pending.flat, layout, pending.finite)
+        super().accumulate(pending.flat, layout, pending.finite)  # (that buffer is as it came)
         return None
 
     def encode_work(self, plan: Plan, dense: int, flops: float, p: bool) -> Work:
@@ -153,9 +150,8 @@ class ACPSGDCodec(LowRankCodec):
         views = flat.split(sizes)
         velocity = pending is not None and pending.stage
         scales = pending.scales if pending is not None else None
-        if scales is not None:
-            for i in plan.uncompressed:
-                views[i].mul_(scales[i])
+        if scales is not None and plan.uncompressed:
+            torch._foreach_mul_([views[i] for i in plan.uncompressed], [scales[i] for i in plan.uncompressed])
         mom = self.momentum_factor if velocity else None
         vel = self.velocity.get(layout.names, sizes, flat) if velocity else None
         if vel is not None:

@@ -248,7 +248,7 @@ class Velocity:
         clip = self.clip_norm
         if clip <= 0:
             return None
-        return [float(v) for v in clip_factors(flat, layout.sizes, clip_threshold(clip, self.world)).tolist()]
+        return clip_factors(flat, layout.sizes, clip_threshold(clip, self.world)).tolist()
 
     def set_momentum(self, m: float) -> None:
         """The optimizer's momentum ``m`` moved into the codec (trainer, engine, hooks API).
