@@ -46,6 +46,7 @@ from lowcomm.bench.kernel_bound import copy_bandwidth_bytes_per_s, kernel_bytes,
 from lowcomm.compress.codec import CODECS, Codec, Layout, Message, codec_class
 from lowcomm.compress.feedback import Direct
 from lowcomm.compress.gathered import PayloadCodec
+from lowcomm.compress.steady import compressing, primed, received, step_offsets
 
 TARGET = 3.0
 MODELS = ("resnet18", "resnet50")
@@ -57,15 +58,6 @@ def model_shapes(name: str) -> list[tuple[int, ...]]:
 
     model = resnet.resnet18() if name == "resnet18" else resnet.resnet50_imagenet()
     return [tuple(p.shape) for p in model.parameters() if p.requires_grad]
-
-
-def received(msg: Message, world: int) -> torch.Tensor:
-    """What ``msg``'s collective delivers among ``world`` workers sending the same buffer."""
-    if msg.collective == "all_gather":
-        return msg.buf[: msg.numel].unsqueeze(0).expand(world, -1).contiguous()
-    if msg.collective == "reduce_scatter":
-        return msg.buf[: msg.numel // world].clone()
-    return msg.buf.clone()
 
 
 #: untimed calls before the timed ones: a training loop's steady state. The first calls of a
@@ -96,38 +88,6 @@ def timed(fn: Callable[[], float | None], setup: Callable[[], Any], reps: int) -
         if i >= WARMUP:
             samples.append(dt)
     return statistics.median(samples)
-
-
-def compressing(codec: Codec, offset: int = 0) -> Codec:
-    """``codec`` at its first compressed step (plus ``offset``): the kernels of a step past the
-    ``start_iter`` warm-up (during it the transports send a plain all-reduce and a codec may take
-    another path, e.g. acpsgd's velocity is not fused into its encode). Returns ``codec``."""
-    codec.step = codec.start_iter + offset
-    return codec
-
-
-def primed(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Tensor, world: int,
-           offset: int = 0) -> Codec:
-    """``codec`` after one full step per step kind (encode, the rounds, decode), set back to its
-    compressed step ``offset``: the steady state of training, where the low-rank codecs'
-    factor tables are filled (a first step draws them from a seeded generator on the host and
-    copies them over, which a timed encode would otherwise repeat on every call). Returns it."""
-    out = torch.empty_like(x)
-    for o in step_offsets(type(codec)):
-        compressing(codec, o)
-        buf = x.clone()
-        codec.accumulate(buf, layout, finite)
-        msg = codec.encode(buf, layout, finite)
-        while not msg.final:
-            msg = codec.advance(msg, received(msg, world))
-        codec.decode(msg, received(msg, world), out)
-    return compressing(codec, offset)
-
-
-def step_offsets(cls: type[Codec]) -> tuple[int, ...]:
-    """The compressed steps timed: two consecutive ones for a codec whose steps alternate
-    (ACP-SGD's P- and Q-steps run different kernels; the figure is their mean), else one."""
-    return (0, 1) if hasattr(cls, "p_step") else (0,)
 
 
 def stateless(cls: type[Codec], world: int, offset: int = 0, prime: tuple[torch.Tensor, Layout, torch.Tensor] | None = None) -> Codec:

@@ -41,6 +41,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--inv-update-steps", type=int, default=50)
     ap.add_argument("--damping", type=float, default=1e-3)
     ap.add_argument("--pipeline", type=int, default=1, help="lowcomm only: SPD-KFAC pipelining")
+    ap.add_argument("--defer", type=int, default=1,
+                    help="lowcomm only: defer_factor_comm (0: a factor step waits for its own all-reduce)")
     ap.add_argument("--symmetric", type=int, default=0,
                     help="send only the upper triangle (lowcomm symmetric_comm, kfac-pytorch symmetry_aware)")
     ap.add_argument("--threads", type=int, default=1)
@@ -59,7 +61,8 @@ def _preconditioner(a: argparse.Namespace, model: nn.Module) -> Any:
         from lowcomm.optim import KFAC
 
         return KFAC(model, **common, compute="eigen", grad_worker_fraction=1.0,
-                    pipeline=bool(a.pipeline), symmetric_comm=bool(a.symmetric))
+                    pipeline=bool(a.pipeline), symmetric_comm=bool(a.symmetric),
+                    defer_factor_comm=bool(a.defer))
     if a.impl == "kfac-pytorch":
         from kfac.preconditioner import KFACPreconditioner  # the benchmark env's, never ours
 

@@ -104,5 +104,5 @@ def test_resumed_preconditioner_keeps_the_plan_instead_of_profiling_again() -> N
     assert fresh.pipeline_comm.groups is None
     fresh.load_state_dict(state)
     assert fresh.pipeline_comm.groups == kfac.pipeline_comm.groups
-    assert fresh.pipeline_comm.factor_steps == 3 and not fresh.pipeline_comm._profiling()
+    assert fresh.pipeline_comm.factor_steps == 3 and not fresh.pipeline_comm.profiling
     fresh.remove()

@@ -52,6 +52,7 @@ class ACPSGDCodec(LowRankCodec):
     """ACP-SGD: one message per step, P- and Q-steps alternating; local memory."""
 
     name = "acpsgd"
+    step_cycle = 2  # a P-step, then a Q-step
     Options = ACPSGDOptions
     summary = "ACP-SGD: rank-r P or Q alternately, one all-reduce per step, error feedback"
     caveat = ("lossy like Power-SGD: needs error feedback and warm-up steps; alternating P/Q converges "

@@ -226,6 +226,8 @@ class Codec(Velocity, ABC):
     elementwise: ClassVar[bool] = False
     #: a later message needs the aggregate of an earlier one in the same step
     multi_round: ClassVar[bool] = False
+    #: consecutive compressed steps run different kernels in a cycle of this length (ACP-SGD's P, Q: 2)
+    step_cycle: ClassVar[int] = 1
     #: options that are durations (steps, ``"Nep"``, ``"N%"``) -> the steps a *default*
     #: relative value falls back to when the run's length is unknown (hooks API without
     #: ``steps_per_epoch=``/``total_steps=``): the fixed count the option had before

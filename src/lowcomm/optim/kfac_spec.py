@@ -56,6 +56,7 @@ class KFACOptions:
     grad_worker_fraction: float = 1.0
     pipeline: bool = True
     symmetric_comm: bool = True
+    defer_factor_comm: bool = True
     local_inverse_below: int = 1024
     skip_layers: str = ""
 
@@ -117,7 +118,8 @@ def check_kfac(base: str, options: dict[str, Any]) -> dict[str, Any]:
               full["kl_clip"], 0.1)
         check_static(compute=full["compute"], placement=full["placement"],
                      grad_worker_fraction=full["grad_worker_fraction"], pipeline=full["pipeline"],
-                     symmetric_comm=full["symmetric_comm"], local_inverse_below=full["local_inverse_below"],
+                     symmetric_comm=full["symmetric_comm"], defer_factor_comm=full["defer_factor_comm"],
+                     local_inverse_below=full["local_inverse_below"],
                      skip_layers=full["skip_layers"], accumulation_steps=1, grad_scaler=None)
     except UsageError as e:
         raise UsageError(f"{PREFIX}: {e}") from None

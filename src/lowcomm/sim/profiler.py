@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from lowcomm.compress.codec import CODECS, Codec, Layout, Message, codec_class
+from lowcomm.compress.steady import compressing, final_message, primed, received, step_offsets
 from lowcomm.sim.profile import ComputeCosts, LayerProfile, Profile
 
 
@@ -198,41 +199,40 @@ def measure_costs(device: torch.device | str = "cpu", *, n: int = 1 << 21) -> Co
     )
 
 
-def _received(msg: Message, world: int) -> torch.Tensor:
-    """What ``msg``'s collective would deliver among ``world`` identical workers (one node: a
-    scoped message runs on all of them, the transport's flat fallback)."""
-    if msg.collective == "all_gather":
-        return msg.buf[: msg.numel].unsqueeze(0).expand(world, -1).contiguous()
-    if msg.collective == "reduce_scatter":  # this worker's chunk of the sum
-        return msg.buf[: msg.numel // world].clone()
-    return msg.buf.clone()
-
-
-def _final_message(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Tensor,
-                   world: int) -> Message:
-    """Encode ``x`` and complete every non-final round with fabricated peers."""
-    msg = codec.encode(x.clone(), layout, finite)
-    while not msg.final:
-        msg = codec.advance(msg, _received(msg, world))
-    return msg
+def _encode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.Tensor,
+              device: torch.device, reps: int) -> float:
+    """Median seconds of one encode as trained (velocity, then the first message), in the
+    steady state, averaged over the codec's step kinds (:mod:`lowcomm.compress.steady`)."""
+    codec = cls(world=4).as_trained()
+    times = []
+    for offset in step_offsets(codec):
+        primed(codec, x, layout, finite, 4, offset)
+        times.append(_timed(functools.partial(_encode_as_trained, codec, x.clone(), layout, finite), device, reps))
+    return statistics.mean(times)
 
 
 def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.Tensor,
               world: int, device: torch.device, reps: int) -> tuple[float, str]:
-    """Median seconds of one decode at ``world`` workers, and the final collective."""
-    codec = cls(world=world)
-    samples, collective = [], "none"
+    """Median seconds of one decode at ``world`` workers in the steady state (averaged over
+    the codec's step kinds), and the final collective."""
+    codec = cls(world=world).as_trained()
     out = torch.empty_like(x)
-    for _ in range(reps + 1):
-        msg = _final_message(codec, x, layout, finite, world)  # untimed: decode consumes it
-        received = _received(msg, world)
-        collective = msg.collective
-        _sync(device)
-        t0 = time.perf_counter()
-        codec.decode(msg, received, out)
-        _sync(device)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples[1:]), collective
+    times, collective = [], "none"
+    for offset in step_offsets(codec):
+        primed(codec, x, layout, finite, world, offset)
+        samples = []
+        for _ in range(reps + 1):
+            msg = final_message(codec, x.clone(), layout, finite, world)  # untimed: decode consumes it
+            rec = received(msg, world)
+            collective = msg.collective
+            _sync(device)
+            t0 = time.perf_counter()
+            codec.decode(msg, rec, out)
+            _sync(device)
+            samples.append(time.perf_counter() - t0)
+            compressing(codec, offset)  # the same step kind again
+        times.append(statistics.median(samples[1:]))
+    return statistics.mean(times), collective
 
 
 def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
@@ -243,7 +243,9 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
     their state (error feedback, momentum, packing) and cost more than the constants of
     :func:`measure_costs` add up to. Measured on a synthetic buffer of ``n`` elements (one
     ``1024 x (n/1024 - 1)`` matrix and one vector, so low-rank codecs compress it) with
-    default options and fabricated peers (no process group). A codec whose final message is
+    default options and fabricated peers (no process group), past the codec's warm-up and
+    with one full step of each step kind done first (:mod:`lowcomm.compress.steady`: the
+    low-rank codecs' factor tables filled). A codec whose final message is
     all-gathered decodes every worker's payload, so its decode is measured at 2 and 8
     workers and fitted as ``decode_s_per_elem + P * decode_s_per_elem_per_worker``.
     """
@@ -258,7 +260,7 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
     out: dict[str, dict[str, float]] = {}
     for name in CODECS.names():
         cls = codec_class(name)
-        enc = _timed(functools.partial(_encode_as_trained, cls(world=4).as_trained(), x.clone(), layout, finite), device, reps)
+        enc = _encode_s(cls, x, layout, finite, device, reps)
         lo, collective = _decode_s(cls, x, layout, finite, 2, device, reps)
         entry = {"encode_s_per_elem": enc / numel}
         if collective == "all_gather":

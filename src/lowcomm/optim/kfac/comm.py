@@ -83,24 +83,26 @@ class FactorComm:
 
     def finish(self, flight: Flight, n: int, diagonal: bool) -> torch.Tensor:
         """Wait for a launched all-reduce; the averaged factor statistic, unpacked."""
-        return self._mean(unpack(flight.wait(), n, self.symmetric, diagonal=diagonal))
+        return self.mean_in_place(unpack(flight.wait(), n, self.symmetric, diagonal=diagonal))
 
-    def _mean(self, total: torch.Tensor) -> torch.Tensor:
+    def mean_in_place(self, total: torch.Tensor) -> torch.Tensor:
         """The sum over ranks divided by their number, in place (the buffer is ours)."""
         return total.div_(self.world_size) if self.world_size > 1 else total
 
     def reduce_all(self, stats: Sequence[tuple[torch.Tensor, int, bool]], kind: str) -> list[torch.Tensor]:
         """Average ``(stat, n, diagonal)`` statistics in 25 MB buckets (baseline mode)."""
-        if not stats:
-            return []
-        flats = [pack(s, self.symmetric, copy=False) for s, _, _ in stats]  # this step's, handed over
-        if self.world_size > 1:
-            flats = self._all_reduce_buckets(flats, kind)
-        return [self._mean(unpack(f, n, self.symmetric, diagonal=d)) for f, (_, n, d) in zip(flats, stats)]
+        return self.launch_all(stats, kind).finish()
 
-    def _all_reduce_buckets(self, flats: list[torch.Tensor], kind: str) -> list[torch.Tensor]:
+    def launch_all(self, stats: Sequence[tuple[torch.Tensor, int, bool]], kind: str) -> Buckets:
+        """Start averaging ``(stat, n, diagonal)`` statistics in 25 MB buckets (baseline
+        mode); :meth:`Buckets.finish` waits and returns them in order."""
+        flats = [pack(s, self.symmetric, copy=False) for s, _, _ in stats]  # this step's, handed over
+        launched = self._launch_buckets(flats, kind) if self.world_size > 1 and flats else []
+        return Buckets(self, flats, [(n, d) for _, n, d in stats], launched)
+
+    def _launch_buckets(self, flats: list[torch.Tensor], kind: str) -> list[tuple[list[int], torch.Tensor, Any]]:
         """All-reduce ``flats`` fused into buckets of about :data:`BUCKET_BYTES` (a larger
-        factor alone), in order, each launched as soon as it is packed; then wait for all.
+        factor alone), in order, each launched as soon as it is packed.
 
         Why buckets rather than one buffer: the next bucket is packed while the previous one
         is on the wire, and ResNet-18's 340 MB of factors in one gloo all-reduce took 2-3 s
@@ -120,12 +122,7 @@ class FactorComm:
             buf = torch.cat([flats[i] for i in members]) if len(members) > 1 else flats[members[0]]
             launched.append((members, buf, accounting.all_reduce(buf, group=self.group, async_op=True,
                                                                  tag=f"kfac.{kind}")))
-        out = list(flats)
-        for members, buf, work in launched:
-            work.wait()
-            for i, part in zip(members, buf.split([flats[i].numel() for i in members])):
-                out[i] = part
-        return out
+        return launched
 
     def share(self, mine: Mapping[FactorKey, Decomposition], remote: Sequence[FactorKey],
               sources: Mapping[FactorKey, int | None], compute: str,
@@ -165,3 +162,21 @@ def factor_bytes(dims: Sequence[tuple[int, bool]], symmetric: bool) -> int:
     """Payload bytes of one all-reduce round of float32 factors ``(n, diagonal)``: what the
     ledger's ``payload_bytes`` grows by per factor update (tests and the docs use it)."""
     return 4 * sum(packed_numel(n, symmetric, diagonal=d) for n, d in dims)
+
+
+class Buckets:
+    """The baseline's bucketed all-reduces of one kind, launched and not yet waited for."""
+
+    def __init__(self, comm: FactorComm, flats: list[torch.Tensor], shapes: list[tuple[int, bool]],
+                 launched: list[tuple[list[int], torch.Tensor, Any]]) -> None:
+        self.comm, self.flats, self.shapes, self.launched = comm, flats, shapes, launched
+
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for every bucket; the averaged statistics, unpacked, in launch order."""
+        out = list(self.flats)
+        for members, buf, work in self.launched:
+            work.wait()
+            for i, part in zip(members, buf.split([self.flats[i].numel() for i in members])):
+                out[i] = part
+        sym = self.comm.symmetric
+        return [self.comm.mean_in_place(unpack(f, n, sym, diagonal=d)) for f, (n, d) in zip(out, self.shapes)]

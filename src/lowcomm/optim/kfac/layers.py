@@ -20,10 +20,13 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lowcomm.errors import UsageError
 
 #: layer types left to the base optimizer without a warning (as in KAISA): their parameters
 #: are vectors, for which a Kronecker factorization means nothing
@@ -292,3 +295,11 @@ def discover(model: nn.Module, skip_layers: Iterable[str] = ()) -> tuple[list[KF
             kind = why or f"{type(module).__name__} (no K-FAC factors for this layer type)"
             reasons.append(f"K-FAC skips {label!r}: {kind}; left to the base optimizer")
     return layers, reasons
+
+
+def unwrap(model: Any) -> nn.Module:
+    """The module inside DDP / DataParallel (hooks go on the real layers), or ``model``."""
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"KFAC needs a torch.nn.Module (bare or DDP-wrapped), got {type(model).__name__}")
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return model.module if isinstance(model, wrappers) else model

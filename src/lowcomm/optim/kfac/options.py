@@ -72,13 +72,14 @@ def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
 
 
 def check_static(*, compute: Any, placement: Any, grad_worker_fraction: Any, pipeline: Any,
-                 symmetric_comm: Any, local_inverse_below: Any, skip_layers: Any,
+                 symmetric_comm: Any, defer_factor_comm: Any = True, local_inverse_below: Any, skip_layers: Any,
                  accumulation_steps: Any, grad_scaler: Any) -> tuple[str, ...]:
     """Check the options that are not scheduled; return ``skip_layers`` as a tuple of str."""
     check_choice("compute", compute, COMPUTE)
     check_choice("placement", placement, STRATEGIES)
     check_range("grad_worker_fraction", grad_worker_fraction, 0.0, 1.0, low_open=True)
-    for name, flag in (("pipeline", pipeline), ("symmetric_comm", symmetric_comm)):
+    for name, flag in (("pipeline", pipeline), ("symmetric_comm", symmetric_comm),
+                       ("defer_factor_comm", defer_factor_comm)):
         if not isinstance(flag, bool):
             raise UsageError(f"{name} must be True or False, got {flag!r}")
     check_count("local_inverse_below", local_inverse_below, minimum=0)

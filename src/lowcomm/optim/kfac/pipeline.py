@@ -40,7 +40,11 @@ class Pipeline:
         """The merge plan (kind -> groups of layer indices in hook order), once made."""
         return None if self.fuser is None else self.fuser.groups
 
-    def _profiling(self) -> bool:
+    @property
+    def profiling(self) -> bool:
+        """Whether the current factor step's ready times are being profiled (then its
+        all-reduces are waited for in its own ``step()``: the plan's probe must not queue
+        behind them)."""
         start, count = self.window
         return (self.fuser is None and self.profile is not None and count > 0
                 and start <= self.factor_steps < start + count)
@@ -49,7 +53,7 @@ class Pipeline:
         """Pack a ready statistic and send it, or hold it for its group (called in a hook:
         no host reads). Returns the (layer index, flight) pairs launched now."""
         flat = pack(stat, self.comm.symmetric, copy=False)  # the hook's statistic, handed over
-        if self._profiling():
+        if self.profiling:
             assert self.profile is not None
             self.profile.mark(kind, layer)
         if self.fuser is not None and self.fuser.covers(kind, layer):
@@ -63,7 +67,7 @@ class Pipeline:
     def end_factor_step(self) -> None:
         """Called by ``step()`` after a factor step (same step on every rank): profile, and
         make the plan when the window closes (collective: probes and averages times)."""
-        if self._profiling():
+        if self.profiling:
             assert self.profile is not None
             self.profile.close_step()
             if self.profile.steps == self.window[1]:

@@ -9,8 +9,11 @@ Use it as kfac-pytorch users do::
 
 Why hooks: the factor statistics come from each layer's input (forward) and output gradient
 (backward). With ``pipeline=True`` (SPD-KFAC) each statistic's all-reduce starts inside the
-hook that computed it, so factor traffic overlaps the rest of forward and backward; ``step()``
-only waits. With ``pipeline=False`` (the baseline) ``step()`` sends all of them at once. The
+hook that computed it, so factor traffic overlaps the rest of forward and backward. With
+``pipeline=False`` (the baseline) ``step()`` sends all of them at once. Either way, with
+``defer_factor_comm`` (the default) they are waited for only when the factors are next
+read (an inverse step, the next factor step), so the traffic also overlaps the
+preconditioning and the steps in between. The
 hooks never read a device value on the host, so they never stall a CUDA stream.
 """
 
@@ -25,21 +28,14 @@ from torch import nn
 from lowcomm.comm import accounting
 from lowcomm.errors import UsageError
 from lowcomm.optim.kfac.comm import FactorComm
-from lowcomm.optim.kfac.factors import LayerFactors, packed_numel, running_average
+from lowcomm.optim.kfac.factors import LayerFactors, packed_numel
 from lowcomm.optim.kfac.inverse import (Decomposition, decompose, from_wire, kl_clip_scale,
                                         precondition, to_wire)
-from lowcomm.optim.kfac.layers import KFACLayer, discover
+from lowcomm.optim.kfac.layers import KFACLayer, discover, unwrap
 from lowcomm.optim.kfac.options import Hyper, Schedule, check_static, grad_workers
 from lowcomm.optim.kfac.pipeline import Pipeline
 from lowcomm.optim.kfac.placement import FactorKey, Grid, assign_grid
-
-
-def _unwrap(model: Any) -> nn.Module:
-    """The module inside DDP / DataParallel (hooks go on the real layers), or ``model``."""
-    if not isinstance(model, nn.Module):
-        raise UsageError(f"KFAC needs a torch.nn.Module (bare or DDP-wrapped), got {type(model).__name__}")
-    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    return model.module if isinstance(model, wrappers) else model
+from lowcomm.optim.kfac.rounds import FactorRound, fold_round, launch_round
 
 
 class KFAC:
@@ -71,18 +67,20 @@ class KFAC:
         grad_worker_fraction: float = 1.0,
         pipeline: bool = True,
         symmetric_comm: bool = True,
+        defer_factor_comm: bool = True,
         local_inverse_below: int = 1024,
         skip_layers: str | tuple[str, ...] | list[str] = (),
         accumulation_steps: int = 1,
         grad_scaler: Any = None,
     ) -> None:
-        module = _unwrap(model)
+        module = unwrap(model)
         self.hyper = Hyper(factor_update_steps, inv_update_steps, damping, factor_decay, kl_clip, lr)
         self.skip_layers = check_static(
             compute=compute, placement=placement, grad_worker_fraction=grad_worker_fraction,
-            pipeline=pipeline, symmetric_comm=symmetric_comm, local_inverse_below=local_inverse_below,
+            pipeline=pipeline, symmetric_comm=symmetric_comm, defer_factor_comm=defer_factor_comm,
+            local_inverse_below=local_inverse_below,
             skip_layers=skip_layers, accumulation_steps=accumulation_steps, grad_scaler=grad_scaler)
-        self.compute, self.pipeline = compute, pipeline
+        self.compute, self.pipeline, self.defer_factor_comm = compute, pipeline, defer_factor_comm
         self.accumulation_steps, self.grad_scaler = accumulation_steps, grad_scaler
         self.layers, reasons = discover(module, self.skip_layers)
         for reason in reasons:
@@ -90,6 +88,7 @@ class KFAC:
         self.steps = 0
         self._factors = {layer.name: LayerFactors() for layer in self.layers}
         self._decs: dict[FactorKey, Decomposition] = {}
+        self._rounds: list[FactorRound] = []  # factor steps launched, not yet folded
         self._keys: list[FactorKey] = []
         for i, layer in enumerate(self.layers):
             self._keys.append(FactorKey(i, "A", layer.a_dim, layer.a_diagonal))
@@ -188,58 +187,40 @@ class KFAC:
         and before ``optimizer.step()``; with a grad scaler, after ``scaler.unscale_``. With
         ``accumulation_steps=k``, call it once per ``k`` micro-batches, each micro-batch's loss
         divided by ``k`` (the usual practice, which the ``G`` statistics assume). On a
-        factor step the statistics are averaged over ranks and folded into the running
-        factors; on an inverse step the decompositions are recomputed (each by its owner,
-        then broadcast). Every rank must call it (it may run collectives).
+        factor step the statistics' all-reduce is started (pipelined: already in the hooks)
+        and folded into the running factors when they are next needed
+        (``defer_factor_comm``; :mod:`~lowcomm.optim.kfac.rounds`) or at once; on an inverse
+        step the decompositions are recomputed (each by its owner, then broadcast). Every
+        rank must call it (it may run collectives).
         """
         k = self.steps
-        self._update_factors(k)
+        launched = self._launch_factors(k)
+        if launched is not None:
+            self._fold()  # the previous factor step's round: one round in flight at most
+            self._rounds.append(launched)
+            if self.pipeline and self.pipeline_comm.profiling:
+                self._fold()  # the profile and the α-β probe must not queue behind the flights
+            if self.pipeline:
+                self.pipeline_comm.end_factor_step()
+            if not self.defer_factor_comm:
+                self._fold()
         if k % self.hyper.at("inv_update_steps", k) == 0:
+            self._fold()
             self._update_decompositions(k)
         self._precondition(k)
         self.steps += 1
 
-    def _update_factors(self, k: int) -> None:
-        """Average this step's statistics over ranks and fold them into the factors."""
-        done: dict[tuple[str, str], torch.Tensor] = {}
-        for kind, i, late in self.pipeline_comm.flush():
-            st = self._factors[self.layers[i].name]
-            (st.a_flight if kind == "A" else st.g_flight).append(late)
-        left: dict[str, list[tuple[str, torch.Tensor, int, bool]]] = {"A": [], "G": []}
-        for layer in self.layers:
-            st = self._factors[layer.name]
-            for kind, flights, acc, n, diag in (
-                ("A", st.a_flight, st.a_acc, layer.a_dim, layer.a_diagonal),
-                ("G", st.g_flight, st.g_acc, layer.g_dim, False),
-            ):
-                if flights:
-                    stats = [self._comm.finish(f, n, diag) for f in flights]
-                    done[(layer.name, kind)] = stats[0] if len(stats) == 1 else torch.stack(stats).mean(0)
-                    flights.clear()
-                elif acc.count:
-                    mean = acc.mean()
-                    assert mean is not None
-                    left[kind].append((layer.name, mean, n, diag))
-                acc.clear()
-        for kind, items in left.items():
-            stats = self._comm.reduce_all([(s, n, d) for _, s, n, d in items], kind)
-            done.update({(name, kind): s for (name, *_), s in zip(items, stats)})
-        if not done:
-            return
-        if self.pipeline:
-            self.pipeline_comm.end_factor_step()
+    def _launch_factors(self, k: int) -> FactorRound | None:
+        """Start averaging this step's statistics over ranks (the pipelined ones already
+        are); None when this step collected none."""
         decay = self.hyper.at("factor_decay", k)
-        # a non-finite statistic (an overflowing AMP step, a diverging batch the trainer
-        # skips) must not poison the running factor for good: decided on the device
-        guard = True
-        for layer in self.layers:
-            st = self._factors[layer.name]
-            a, g = done.get((layer.name, "A")), done.get((layer.name, "G"))
-            if a is None or g is None:
+        return launch_round(self.layers, self._factors, self._comm, self.pipeline_comm.flush(), decay)
+
+    def _fold(self) -> None:
+        """Fold the launched rounds into the running factors, oldest first (waits for them)."""
+        while self._rounds:
+            for layer in fold_round(self._rounds.pop(0), self.layers, self._factors, self._comm):
                 self._warn_silent(layer)
-                continue
-            st.a = running_average(st.a, a, decay, guard)
-            st.g = running_average(st.g, g, decay, guard)
 
     def _warn_silent(self, layer: KFACLayer) -> None:
         if layer.name not in self._silent:
@@ -339,6 +320,7 @@ class KFAC:
         owner, or from the column's first rank for one each worker decomposed itself): it is
         then collective (every rank must call it).
         """
+        self._fold()
         held = dict(self._decs)
         if self.grid.grad_workers < self.grid.world_size:
             keys = [key for key in self._keys if self.columns[key.layer] is not None and key.layer in self._ready]
@@ -368,6 +350,7 @@ class KFAC:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (tensors moved to each layer's device)."""
         names = [layer.name for layer in self.layers]
+        self._fold()  # the launched collectives end on every rank; their result is replaced
         if list(state.get("layers", [])) != names:
             raise UsageError(f"K-FAC state is for layers {state.get('layers')}, this model has {names}")
 
@@ -393,7 +376,9 @@ class KFAC:
             self.pipeline_comm.load_state_dict(state["pipeline"])
 
     def remove(self) -> None:
-        """Detach the hooks (the model then trains without K-FAC's statistics)."""
+        """Detach the hooks (the model then trains without K-FAC's statistics); fold the
+        factor steps still in flight (their collectives end on every rank)."""
+        self._fold()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
