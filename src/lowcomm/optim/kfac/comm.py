@@ -89,10 +89,6 @@ class FactorComm:
         """The sum over ranks divided by their number, in place (the buffer is ours)."""
         return total.div_(self.world_size) if self.world_size > 1 else total
 
-    def reduce_all(self, stats: Sequence[tuple[torch.Tensor, int, bool]], kind: str) -> list[torch.Tensor]:
-        """Average ``(stat, n, diagonal)`` statistics in 25 MB buckets (baseline mode)."""
-        return self.launch_all(stats, kind).finish()
-
     def launch_all(self, stats: Sequence[tuple[torch.Tensor, int, bool]], kind: str) -> Buckets:
         """Start averaging ``(stat, n, diagonal)`` statistics in 25 MB buckets (baseline
         mode); :meth:`Buckets.finish` waits and returns them in order."""
