@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lowcomm.compress.codec import CODECS, Codec, Layout, Message, codec_class
-from lowcomm.compress.steady import compressing, final_message, primed, received, step_offsets
+from lowcomm.compress.steady import final_message, primed, received, step_offsets
 from lowcomm.sim.profile import ComputeCosts, LayerProfile, Profile
 
 
@@ -230,7 +230,6 @@ def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.T
             codec.decode(msg, rec, out)
             _sync(device)
             samples.append(time.perf_counter() - t0)
-            compressing(codec, offset)  # the same step kind again
         times.append(statistics.median(samples[1:]))
     return statistics.mean(times), collective
 

@@ -198,9 +198,9 @@ class KFAC:
         if launched is not None:
             self._fold()  # the previous factor step's round: one round in flight at most
             self._rounds.append(launched)
-            if self.pipeline and self.pipeline_comm.profiling:
-                self._fold()  # the profile and the α-β probe must not queue behind the flights
             if self.pipeline:
+                if self.pipeline_comm.profiling:
+                    self._fold()  # the profile and the α-β probe must not queue behind the flights
                 self.pipeline_comm.end_factor_step()
             if not self.defer_factor_comm:
                 self._fold()
