@@ -3,7 +3,7 @@
 The TCP probe (:mod:`lowcomm.bench.probe`) says what the link delivers; what a training step
 pays is what *gloo* delivers on it. This probe starts the same N workers the methods run in
 (same namespaces, same interface, same torch threads), and through
-:mod:`lowcomm.comm.accounting` (so reduce-scatter is the all-to-all + local sum that lowcomm
+:mod:`lowcomm.comm.accounting` (so reduce-scatter is the point-to-point ring that lowcomm
 uses on gloo) times
 
 * each collective kind with a tiny payload (median of ``--reps``): the latency,

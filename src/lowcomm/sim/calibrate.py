@@ -3,8 +3,9 @@
 Why: the α-β model with α = RTT/2 and β = 1/link rate assumes the collective library costs
 nothing but the wire. On gloo over TCP on a CPU box that is far from true: a 4-byte
 all-reduce among 4 workers takes milliseconds (every ring step wakes a thread, copies and
-syscalls; the workers share the cores with each other), and gloo's all-to-all (lowcomm's
-reduce-scatter on gloo) moves a byte more slowly than its ring collectives. The probe
+syscalls; the workers share the cores with each other), and each kind moves a byte at its
+own rate (before lowcomm's reduce-scatter on gloo became a point-to-point ring it was an
+all-to-all, 1.7x slower per byte than the ring all-reduce on shaped links). The probe
 (:mod:`lowcomm.bench.collprobe`) times each kind of collective twice, with a tiny payload
 (latency) and with a large one (bandwidth); this module turns the two times into the
 per-step α and the β scale of :class:`~lowcomm.sim.network.NetworkModel`:

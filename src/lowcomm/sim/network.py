@@ -41,9 +41,8 @@ run on all P workers (the transport's flat fallback).
 
 **Per-collective calibration.** A real collective library does not reach one (α, β) for
 every collective: on gloo over TCP on a CPU box a small all-reduce costs milliseconds (the
-ring's 2(P-1) steps each wake a thread and copy), and gloo's all-to-all (which lowcomm's
-reduce-scatter uses on gloo) moves a byte more slowly than its ring all-reduce or
-all-gather. ``NetworkModel.collective_alpha`` (per-step α by collective kind) and
+ring's 2(P-1) steps each wake a thread and copy), and kinds differ per byte (an all-to-all,
+P-1 flows per worker at once, moves a byte more slowly than a ring on shaped links). ``NetworkModel.collective_alpha`` (per-step α by collective kind) and
 ``collective_beta_scale`` (β multiplier by kind, 1/efficiency) override the link's α and β
 for that kind; :mod:`lowcomm.sim.calibrate` fits both from a probe of the real library.
 Kinds: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``p2p``.
