@@ -303,7 +303,7 @@ class DeAROptions(EngineFields):
 
 @register
 class DeAR(EngineMethod):
-    """Reduce-scatter in backward, all-gather one group ahead of the next forward."""
+    """Reduce-scatter in backward, all-gathers a window ahead of the next forward."""
 
     name = "dear"
     mode = Mode.DEAR

@@ -1,10 +1,11 @@
-"""The sharded modes' other half: all-gathers one group ahead of the forward, and the update.
+"""The sharded modes' other half: all-gathers a window ahead of the forward, and the update.
 
 Why apart from :mod:`lowcomm.sched.engine`: the engine's backward side is the same for every
 mode; only ``dear`` and ``lee18`` defer work to the next forward. After the user's step
 (:meth:`Deferred.step`) every group is *pending*; a forward pre-hook on each layer calls
 :meth:`Deferred.ensure_ready`, which waits for that group's all-gather, starts the next
-pending group's (one group ahead, so it overlaps this group's forward) and
+pending groups' after it until :data:`AHEAD_BYTES` are in flight ahead of it (so they
+overlap this group's forward; see there why a window and not one group or all) and
 
 * ``dear``: decodes a compressed group's summed message if it has one, then runs the user's
   optimizer on this group's parameters only (:func:`lowcomm.optim.sharded.step_subset`, with
@@ -29,6 +30,18 @@ from lowcomm.sched.pairing import Mode
 
 if TYPE_CHECKING:
     from lowcomm.sched.engine import Engine
+
+
+#: After group g's all-gather is waited for, the pending groups after it are started until this
+#: many bytes are in flight ahead of g (at least one group). One group ahead exposes each
+#: all-gather's latency whenever groups are small (``lee18``'s one group per layer: 107 on
+#: ResNet-50, each a few milliseconds of gloo latency that a layer's forward does not cover);
+#: all groups at once at ``step()`` makes gloo's worker threads run the first groups
+#: concurrently, so group 0, which the forward needs first, arrives later. Measured on 4
+#: emulated workers at 1 Gbit/s, ResNet-50 (docs/benchmarks.md): ``lee18`` 1.65 s -> 1.41 s per
+#: iteration, ``dear`` unchanged at its 25 MB groups; all at once: ``dear`` 1.31 -> 1.54 s.
+#: On NCCL the gathers run in order on one stream either way.
+AHEAD_BYTES = 32 << 20
 
 
 class Deferred:
@@ -81,7 +94,8 @@ class Deferred:
         g.ag_work = accounting.all_gather_into_tensor(g.flat, src, group=e.pg, async_op=True, tag=f"{e.tag}.ag")
 
     def ensure_ready(self, gi: int) -> None:
-        """Make group ``gi``'s parameters current; start the next pending group's all-gather."""
+        """Make group ``gi``'s parameters current; start the pending all-gathers after it, up to
+        :data:`AHEAD_BYTES` ahead."""
         e = self.engine
         g = e.groups[gi]
         if not g.pending:
@@ -92,10 +106,13 @@ class Deferred:
                 g.ag_work.wait()  # type: ignore[attr-defined]
         g.ag_work = None
         g.pending = False
+        ahead = 0
         for nxt in e.groups[gi + 1 :]:
+            if ahead >= AHEAD_BYTES:
+                break
             if nxt.pending:
                 self._launch(nxt)
-                break
+                ahead += nxt.flat.numel() * nxt.flat.element_size()
         if g.msg is not None:
             assert e.carrier is not None
             e.carrier.gather(g)  # averaged gradient -> g.flat

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from lowcomm.compress.codec import CodecCost
+from lowcomm.sched.deferred import AHEAD_BYTES
 from lowcomm.sched.pairing import Mode
 
 from lowcomm.sim.schedules.base import MIB, Schedule, Sim, layer_buckets
@@ -148,8 +149,27 @@ class _ShardedSchedule(Schedule):
         return sum(sim.layer_bytes(i) for i in self.groups[g])
 
     def before_group(self, sim: Sim, it: int, g: int) -> Task | None:
-        """Forward pre-hook of group g: wait for its all-gather (if pending); return last task."""
-        return self.pending_ag.get(g)
+        """Forward pre-hook of group g: wait for its all-gather, start the window after it."""
+        ag = self.pending_ag.get(g)
+        if ag is not None:
+            self.launch_ahead(sim, it, g, ag)
+        return ag
+
+    def launch_ahead(self, sim: Sim, it: int, g: int, ag: Task) -> None:
+        """Once ``g``'s all-gather arrived, start those after it until :data:`AHEAD_BYTES` are
+        ahead (as :meth:`lowcomm.sched.deferred.Deferred.ensure_ready`); they queue on the link."""
+        ahead = 0
+        for j in range(g + 1, len(self.groups)):
+            if ahead >= AHEAD_BYTES:
+                break
+            if j not in self.pending_ag:
+                self.pending_ag[j] = self.all_gather(sim, it, j, ag)
+            ahead += self.group_bytes(sim, j)
+
+    def all_gather(self, sim: Sim, it: int, g: int, after: Task) -> Task:
+        """Group ``g``'s all-gather before the forward, issued once ``after`` ended."""
+        return sim.collective(f"ag.g{g}", "all_gather", math.ceil(self.group_bytes(sim, g) / sim.p), it,
+                              after=[after])
 
     def after_launch(self, sim: Sim, it: int, g: int, exchange: Task, ready: Task) -> None:
         """Hook: group ``g``'s backward exchange (``exchange``, last task) was issued when
@@ -261,24 +281,24 @@ class DeAR(_ShardedSchedule):
         return best[1]
 
     def after_reduce_scatter(self, sim: Sim, it: int, sync: Task) -> None:
-        """step(): launch the all-gather of group 0; the rest are issued one group ahead."""
+        """step(): launch the all-gather of group 0; the rest are issued a window ahead."""
         self.carried = dict(self.message)
         if self.groups:
-            self.pending_ag[0] = self._all_gather(sim, it + 1, 0, sync)
+            self.pending_ag[0] = self.all_gather(sim, it + 1, 0, sync)
 
-    def _all_gather(self, sim: Sim, it: int, g: int, after: Task) -> Task:
+    def all_gather(self, sim: Sim, it: int, g: int, after: Task) -> Task:
+        """A codec's summed message or the averaged gradient (nothing if gathered in backward)."""
         if self.codec is not None and self.codec.gathered:
             return after  # decoded to the full mean in finish_sync: nothing to gather
         nbytes = self.carried[g][0] if g in self.carried else self.group_bytes(sim, g)
         return sim.collective(f"ag.g{g}", "all_gather", math.ceil(nbytes / sim.p), it, after=[after])
 
     def before_group(self, sim: Sim, it: int, g: int) -> Task | None:
-        """Wait for group g's all-gather, start the next one, decode, apply g's update."""
+        """Wait for group g's all-gather, start the window after it, decode, apply g's update."""
         ag = self.pending_ag.get(g)
         if ag is None:  # first iteration: weights are whole already
             return None
-        if g + 1 < len(self.groups):
-            self.pending_ag[g + 1] = self._all_gather(sim, it, g + 1, ag)
+        self.launch_ahead(sim, it, g, ag)
         last: Task = ag
         if g in self.carried:
             last = sim.compute(f"dec.g{g}", self.carried[g][1], it, after=[ag])
@@ -304,7 +324,8 @@ class Lee18(_ShardedSchedule):
     stream, ahead of the remaining backward; after backward each remaining group is updated
     as soon as its own exchange has arrived, overlapping the exchanges still in flight. Each
     per-layer update first copies what a skipped step would restore (:meth:`snapshot_s`). The
-    all-gathers start after the last update either way (the engine starts them in the step).
+    first all-gather starts after the last update either way, the rest a window ahead in the
+    next forward (:data:`~lowcomm.sched.deferred.AHEAD_BYTES`, as the engine).
     """
 
     name = "lee18"
@@ -370,10 +391,8 @@ class Lee18(_ShardedSchedule):
         seconds = sim.profile.optimizer_s / sim.p - sum(self.update_s(sim, g) for g in self.updated)
         self.inflight, self.updated = [], []
         upd = sim.compute("upd.shard", seconds, it + 1, kind="optimizer", after=[sync])
-        for g in range(len(self.groups)):
-            self.pending_ag[g] = sim.collective(
-                f"ag.g{g}", "all_gather", math.ceil(self.group_bytes(sim, g) / sim.p), it + 1,
-                after=[upd])
+        if self.groups:  # the rest are issued a window ahead in the forward
+            self.pending_ag[0] = self.all_gather(sim, it + 1, 0, upd)
 
 
 @dataclass
