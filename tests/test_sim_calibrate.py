@@ -165,3 +165,28 @@ def test_the_timeline_uses_the_queued_duration_only_for_a_task_that_waited_for_i
     third = tl.add("d", "comm", 1.0, kind="comm", iteration=0, after=[late], queued_duration=0.5)
     assert first.duration == 1.0 and second.duration == 0.5 and second.start == first.end
     assert third.start == late.end and third.duration == 1.0  # the link was free when it was issued
+
+
+def test_a_queued_gloo_collective_costs_the_larger_of_its_wire_time_and_its_queued_latency() -> None:
+    from lowcomm.sim.calibrate import GLOO_CONCURRENT
+    from lowcomm.sim.schedules.base import Sim
+
+    stream = {"all_reduce": 4e-3, "reduce_scatter": 2e-3}
+    net = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                             collectives={"small_s": SMALL, "stream_s": stream, "large": LARGE})
+    assert set(net.queued_overlap) == set(GLOO_CONCURRENT) and "reduce_scatter" not in net.queued_overlap
+    prof = Profile(model="m", batch_size=8, layers=[LayerProfile("l", 1e-3, 1e-3, [[10]])])
+    sim = Sim(prof, P, net)
+    queued = net.queued()
+    assert queued is not None
+    for size in (16, 4_000_000):  # latency-bound, then wire-bound
+        first = sim.collective("a", "all_reduce", size, 0)
+        second = sim.collective("b", "all_reduce", size, 0)  # waits for the link behind "a"
+        wire = net.all_reduce(size, P) - net.all_reduce(0, P)
+        assert second.start == pytest.approx(first.end)
+        assert second.duration == pytest.approx(max(wire, queued.all_reduce(0, P)))
+        # the ring reduce-scatter runs one at a time: queued latency and wire time add up
+        rs1 = sim.collective("c", "reduce_scatter", size, 0)
+        rs2 = sim.collective("d", "reduce_scatter", size, 0)
+        assert rs2.start == pytest.approx(rs1.end)
+        assert rs2.duration == pytest.approx(queued.reduce_scatter(size, P))

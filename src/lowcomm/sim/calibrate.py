@@ -117,7 +117,16 @@ def network_from_probe(
                                    small_s=collectives.get("small_s") or {}, large=large)
     net = net.with_calibration(alpha, scale)
     queued = queued_alpha(collectives.get("stream_s") or {}, alpha, workers=workers)
-    return replace(net, queued_alpha=queued) if queued else net
+    return replace(net, queued_alpha=queued, queued_overlap=GLOO_CONCURRENT) if queued else net
+
+
+#: Kinds a gloo process group runs two at a time: its collectives go to a pool of two worker
+#: threads (torch's default), so a queued one's latency overlaps the transfer of the one
+#: before. lowcomm's reduce-scatter on gloo (:mod:`lowcomm.comm.ring`) runs one ring at a
+#: time per group. Measured: without this, the simulator put ``wfbp`` and ``lee18`` (one
+#: collective per layer) 9-18 % above emulated-compute runs, with it 2-10 %
+#: (docs/benchmarks.md, "Reduce-scatter on gloo, and the schedules again").
+GLOO_CONCURRENT = ("all_reduce", "all_gather")
 
 
 def queued_alpha(stream_s: Mapping[str, float], alpha: Mapping[str, float], *, workers: int) -> dict[str, float]:

@@ -5,7 +5,7 @@ The byte terms are the ring-model wire bytes of :mod:`lowcomm.comm.accounting`, 
 prediction's traffic equals what the accounting layer counts for the same collectives.
 
 Formulas (P workers, ``n`` = bytes of the full tensor, ``n_local`` = bytes one worker
-contributes to an all-gather, so ``n = P·n_local``):
+contributes to an all-gather, so ``n = P·n_local``; with P == 1 every collective costs nothing):
 
 * ring all-reduce:      2(P-1)·α + 2(P-1)/P·n·β
 * tree all-reduce:      2⌈log2 P⌉·α + 2·n·β        (pipelined reduce + broadcast trees)
@@ -15,8 +15,6 @@ contributes to an all-gather, so ``n = P·n_local``):
 * hierarchical all-reduce (G workers per node, N = P/G nodes): intra-node reduce-scatter,
   inter-node ring all-reduce of n/G, intra-node all-gather:
   2(G-1)·α_i + 2(G-1)/G·n·β_i + 2(N-1)·α_e + 2(N-1)/N·(n/G)·β_e
-
-With P == 1 every collective costs nothing.
 
 **Two-level topology** (``gpus_per_node`` G > 1 with an ``intra`` link; ``lowcomm simulate
 --nodes N --gpus-per-node G``). ``nic`` says who owns the inter-node link: ``gpu`` (one
@@ -39,13 +37,12 @@ a node over the intra link (``intra``) or on the N same-local-rank workers over 
 (``inter``, G concurrent collectives sharing a node NIC); without a two-level topology they
 run on all P workers (the transport's flat fallback).
 
-**Per-collective calibration.** A real collective library does not reach one (α, β) for
-every collective: on gloo over TCP on a CPU box a small all-reduce costs milliseconds (the
-ring's 2(P-1) steps each wake a thread and copy), and kinds differ per byte (an all-to-all,
-P-1 flows per worker at once, moves a byte more slowly than a ring on shaped links). ``NetworkModel.collective_alpha`` (per-step α by collective kind) and
-``collective_beta_scale`` (β multiplier by kind, 1/efficiency) override the link's α and β
-for that kind; :mod:`lowcomm.sim.calibrate` fits both from a probe of the real library.
-Kinds: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``p2p``.
+**Per-collective calibration.** On gloo over TCP on a CPU box a small all-reduce costs
+milliseconds (each ring step wakes a thread and copies), and kinds differ per byte.
+``collective_alpha`` (per-step α by kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``,
+``broadcast``, ``p2p``), ``collective_beta_scale`` (β multiplier, 1/efficiency),
+``queued_alpha`` and ``queued_overlap`` (a collective queued behind another) override the
+link's α and β; :mod:`lowcomm.sim.calibrate` fits them from a probe of the real library.
 """
 
 from __future__ import annotations
@@ -119,6 +116,9 @@ class NetworkModel:
     collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: per-step latency (s) by kind of a collective queued behind another (empty: as isolated)
     queued_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
+    #: kinds the library runs two at a time (gloo's worker threads): a queued one costs the
+    #: larger of its wire time and its queued latency, the latter overlapping the transfer before
+    queued_overlap: tuple[str, ...] = field(default=(), compare=False)
     #: compute seconds a worker loses per wire byte it moves (the collective library's threads
     #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
     #: Measured by :func:`lowcomm.bench.contention.measure_contention`.
@@ -210,6 +210,7 @@ class NetworkModel:
             d["collective_beta_scale"] = dict(self.collective_beta_scale)
         if self.queued_alpha:
             d["queued_alpha_s"] = dict(self.queued_alpha)
+            d["queued_overlap"] = list(self.queued_overlap)
         if self.cpu_s_per_wire_byte:
             d["cpu_s_per_wire_byte"] = self.cpu_s_per_wire_byte
         if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):
