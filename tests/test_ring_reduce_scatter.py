@@ -95,3 +95,19 @@ def test_ring_error_reaches_the_waiting_caller() -> None:
     with pytest.raises(RuntimeError, match="peer went away"):
         work.wait()
     assert work.is_completed()
+
+
+@distributed(world_size=2)
+def test_a_device_tensor_on_gloo_travels_through_a_host_copy_and_lands_on_wait() -> None:
+    # CPU-only machine: pretend the tensors are on a device so the staging path runs
+    real = accounting._stage_through_host
+    accounting._stage_through_host = lambda backend, tensor: backend == "gloo"  # type: ignore[assignment]
+    try:
+        x = _inputs(8, torch.float32)
+        out = torch.full((4,), -1.0)
+        work = accounting.reduce_scatter_tensor(out, x, async_op=True)
+        assert isinstance(work, accounting._CopyBackWork)
+        work.wait()
+        assert torch.equal(out, _expected(8, torch.float32))
+    finally:
+        accounting._stage_through_host = real  # type: ignore[assignment]

@@ -189,9 +189,14 @@ def _reduce_scatter_by_ring(output: torch.Tensor, input: torch.Tensor, group: di
     100 Mbit/s workers it sent 1.58·n bytes per worker (the all-reduce's 2(P-1)/P·n), not
     (P-1)/P·n. The ring sends exactly (P-1)/P·n, one flow per link, as NCCL's does (an
     all-to-all sends the same bytes but as P-1 flows at once, which shaped links deliver at a
-    fifth to a third less bandwidth). NCCL keeps its native ring.
+    fifth to a third less bandwidth). NCCL keeps its native ring. A CUDA tensor on a gloo
+    group travels through a host copy, as gloo's own collectives stage it.
     """
-    work = ring.start(output, input, group)
+    if _stage_through_host("gloo", input):  # gloo's send/recv read host memory (below)
+        staged = torch.empty(output.shape, dtype=output.dtype, device="cpu")
+        work: Any = _CopyBackWork(ring.start(staged, input.to("cpu"), group), staged, output)
+    else:
+        work = ring.start(output, input, group)
     if not async_op:
         work.wait()
         return None
