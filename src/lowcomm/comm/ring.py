@@ -76,12 +76,19 @@ class RingWork:
 class _Ring:
     """One reduce-scatter's buffers and steps (module docstring)."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, tag: int) -> None:
-        self.group, self.tag = group, tag
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
+        self.group = group
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.input = input.reshape(-1)
         self.output = output
         self.chunk = self.input.numel() // self.world
+        self.bounds = segments(self.chunk, output.element_size())
+        #: the first of :meth:`tags_needed` tags (set by :func:`start`)
+        self.tag = TAG_BASE
+
+    def tags_needed(self) -> int:
+        """Point-to-point tags this ring uses: one per segment and step."""
+        return (self.world - 1) * len(self.bounds)
 
     def _part(self, k: int) -> torch.Tensor:
         return self.input[k * self.chunk:(k + 1) * self.chunk]
@@ -103,8 +110,7 @@ class _Ring:
     def _steps(self, out: torch.Tensor) -> None:
         """The P-1 steps, pipelined by segments: a segment received in step ``s`` is summed and
         sent on for step ``s+1`` at once, while the rest of step ``s`` is still arriving."""
-        p, r, n = self.world, self.rank, self.chunk
-        bounds = segments(n, out.element_size())
+        p, r, n, bounds = self.world, self.rank, self.chunk, self.bounds
         nxt, prv = self._peer(1), self._peer(-1)
         received = torch.empty(p - 1, n, dtype=out.dtype, device=out.device)
         ids = len(bounds)
@@ -192,5 +198,6 @@ def start(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | 
         raise ValueError(f"reduce-scatter: input of {input.numel()} elements does not split into "
                          f"{world} outputs of {output.numel()}")
     d = _driver(pg)
-    steps = (world - 1) * len(segments(output.numel(), input.element_size()))
-    return d.submit(_Ring(output, input, pg, d.tags(steps)))
+    ring = _Ring(output, input, pg)
+    ring.tag = d.tags(ring.tags_needed())
+    return d.submit(ring)

@@ -112,7 +112,7 @@ class Deferred:
                 break
             if nxt.pending:
                 self._launch(nxt)
-                ahead += nxt.flat.numel() * nxt.flat.element_size()
+                ahead += nxt.flat.nbytes
         if g.msg is not None:
             assert e.carrier is not None
             e.carrier.gather(g)  # averaged gradient -> g.flat

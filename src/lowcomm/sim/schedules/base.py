@@ -123,11 +123,13 @@ class Sim:
         nbytes = payload if timed_bytes is None else timed_bytes
         t = self._seconds(self.net, collective, nbytes, scope, algorithm)
         queued_net = self.net_queued
-        queued = None if queued_net is None else self._seconds(queued_net, collective, nbytes, scope, algorithm)
+        queued = None
         if queued_net is not None and collective in self.net.queued_overlap:
             # two at a time: the queued latency overlaps the transfer before (NetworkModel)
             wire_s = t - self._seconds(self.net, collective, 0, scope, algorithm)
             queued = max(wire_s, self._seconds(queued_net, collective, 0, scope, algorithm))
+        elif queued_net is not None:
+            queued = self._seconds(queued_net, collective, nbytes, scope, algorithm)
         p = self.p
         if algorithm is None:
             algorithm = self.net.algorithm if self.net.algorithm in ("hierarchical", "hybrid") else "flat"
