@@ -110,6 +110,21 @@ def test_compression_reported_as_device_work_pushes_the_remaining_deadlines_back
     restore(model)
 
 
+def test_a_sharded_update_reported_from_a_hook_pushes_the_deadlines_back_too() -> None:
+    """DeAR's per-group update before a layer's forward and lee18's shard update in backward
+    are optimizer kernels on a GPU's stream: reported as ``optimizer``, they delay the layers."""
+    model = _mlp()
+    emulate(model, _profile(model), torch.randn(1, 40))
+    clock = emulation_of(model).clock
+    before = timing.timer().get("optimizer")
+    clock.start_forward()
+    fwd = clock.forward_deadline(2)
+    timing.add("optimizer", 0.5)
+    assert clock.forward_deadline(2) - fwd == pytest.approx(0.5)
+    timing.timer().set("optimizer", before)
+    restore(model)
+
+
 def test_a_restored_model_no_longer_follows_device_work() -> None:
     model = _mlp()
     emulate(model, _profile(model), torch.randn(1, 40))

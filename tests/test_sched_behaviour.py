@@ -379,3 +379,32 @@ def test_engine_step_count_survives_a_state_dict_round_trip(spec: str) -> None:
     later.load_state_dict(state)
     later.wrap(tiny_model(), MethodContext())
     assert later.state_dict()["steps"] == 3
+
+
+@pytest.mark.parametrize("spec,phases", [("dear", ("forward",)), ("lee18", ("forward", "backward"))])
+def test_sharded_updates_inside_the_passes_are_reported_as_optimizer_work(spec: str, phases: tuple[str, ...]) -> None:
+    """DeAR updates each group before its forward; lee18 (``update=layer``) steps each shard in
+    backward and copies the gathered parameters in before each forward: on a GPU that is device
+    work, so it is reported (emulated compute waits for it)."""
+    from lowcomm.runtime import timing
+
+    torch.manual_seed(0)
+    model = tiny_model()
+    method = methods.create(spec)
+    wrapped = method.wrap(model, MethodContext())
+    opt = make_optimizer("sgd", model)
+    reported: dict[str, float] = {}
+    for step in range(3):
+        x, y = batch(0, step)
+        opt.zero_grad()
+        before = timing.timer().get("optimizer")
+        loss = F.cross_entropy(wrapped(x), y)
+        reported["forward"] = timing.timer().get("optimizer") - before
+        before = timing.timer().get("optimizer")
+        loss.backward()
+        reported["backward"] = timing.timer().get("optimizer") - before
+        method.finish_sync()
+        method.optimizer_step(opt)
+    method.flush()
+    for phase in ("forward", "backward"):
+        assert (reported[phase] > 0) == (phase in phases), (phase, reported)

@@ -247,6 +247,24 @@ def test_mgwfbp_merges_when_latency_dominates_and_splits_when_hideable() -> None
         predict_iteration_time(prof, "wfbp", workers=4, network=slow_start).iter_time_s
 
 
+def test_mgwfbp_replays_a_runs_plan_instead_of_planning() -> None:
+    prof = two_layers()
+    slow_start = NetworkModel(inter=Link(1.0, 1e-12))  # its own plan would merge both layers
+    _, merged = simulate(prof, "mgwfbp", workers=4, network=slow_start)
+    _, replayed = simulate(prof, "mgwfbp", workers=4, network=slow_start, plan=[1, 1])
+    assert merged.groups == [[1, 0]] and replayed.groups == [[1], [0]]
+    # the replayed plan is what is timed: one α per group, as wfbp's
+    assert predict_iteration_time(prof, "mgwfbp", workers=4, network=slow_start, plan=[1, 1]).iter_time_s == \
+        pytest.approx(predict_iteration_time(prof, "wfbp", workers=4, network=slow_start).iter_time_s)
+
+
+def test_a_plan_is_refused_where_it_does_not_fit_or_nothing_plans() -> None:
+    with pytest.raises(UsageError, match="3 layers in groups \\[2, 1\\] does not fit the profile's 2"):
+        simulate(two_layers(), "mgwfbp", workers=2, network=NET, plan=[2, 1])
+    with pytest.raises(UsageError, match="only mgwfbp plans at run time"):
+        simulate(two_layers(), "dear", workers=2, network=NET, plan=[1, 1])
+
+
 def test_every_method_runs_at_1024_workers() -> None:
     prof = two_layers()
     prof.factorized = one_layer([256, 1024])

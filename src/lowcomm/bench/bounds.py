@@ -28,6 +28,10 @@ On emulated nodes of G workers the shaped link is the node's, shared by its G wo
 what crosses it is G times the inter-node bytes one worker sends (the accounting ledger's
 ``inter_node_bytes_per_worker_per_iter``); intra-node bytes stay on loopback. The wire term
 uses those bytes then.
+
+This bound ignores what a schedule can overlap: a method that never overlaps its forward
+with communication cannot reach it. Each method's own limit, its schedule on an ideal link,
+is ``schedule_bound_s`` (:mod:`lowcomm.bench.schedule_bound`).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from lowcomm.bench import bounds, collprobe, netns, prediction, trained
+from lowcomm.bench import bounds, collprobe, netns, prediction, schedule_bound, trained
 from lowcomm.bench.compute_profile import bench_profile, compute_label, gloo_contention
 from lowcomm.bench.environment import machine, network
 from lowcomm.bench.runner import BenchConfig, Launcher, run_method
@@ -165,7 +165,9 @@ def run_bench(
         "runs": [],
         "lower_bound_note": (
             "lower bound = max(compute-only time of the model as trained [nocomm, or the method's own "
-            "compute reference], bytes/iter at the measured bandwidth) + the compression kernels' bound"
+            "compute reference], bytes/iter at the measured bandwidth) + the compression kernels' bound; "
+            "schedule bound = the method's own schedule simulated with that compute on a zero-latency link "
+            "at the measured bandwidth + the kernels' bound"
         ),
     }
     compute_only: float | None = None
@@ -297,6 +299,14 @@ def run_bench(
                     except Exception as e:  # noqa: BLE001
                         info["prediction"] = {"error": f"{type(e).__name__}: {e}"}
                         say(f"  no predictions: {info['prediction']['error']}")
+                    try:  # each method's own limit: its schedule on an ideal link (schedule_bound.py)
+                        info["schedule_bound"] = schedule_bound.add_schedule_bounds(
+                            rows, profile, info, workers=cfg.nproc, nproc_per_node=cfg.nproc_per_node or 1)
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except Exception as e:  # noqa: BLE001 - an extra column; the rows stand
+                        info["schedule_bound"] = {"error": f"{type(e).__name__}: {e}"}
+                        say(f"  no schedule bounds: {info['schedule_bound']['error']}")
                 result["runs"].extend(rows)
         except UsageError as e:  # e.g. a delay this kernel cannot emulate
             if len(result["networks"]) == n_idx:

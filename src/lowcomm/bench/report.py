@@ -33,7 +33,10 @@ TTA_COLUMNS = (("test acc %", "final_test_accuracy"), ("train s", "_train_s"), (
                ("speed-up to target", "tta_speedup_vs_ssgd"))
 #: timing columns a time-to-accuracy table leaves out: the per-iteration speed-up is not the one
 #: that counts when accuracy differs, and such runs have no compute-only run for the bounds
-NOT_IN_TTA = ("samples_per_s", "speedup_vs_ssgd", "lower_bound_s", "bound_ratio")
+NOT_IN_TTA = ("samples_per_s", "speedup_vs_ssgd", "lower_bound_s", "bound_ratio", "schedule_bound_s",
+              "schedule_bound_ratio")
+#: each method's own limit, its schedule on an ideal link (lowcomm.bench.schedule_bound)
+SCHEDULE_BOUND_COLUMNS = (("sched bound ms", "schedule_bound_s"), ("iter/sched bound", "schedule_bound_ratio"))
 #: bytes the worker's emulated interface really transmitted (payload + TCP/IP headers)
 TX_COLUMN = ("MB sent (IP)", "measured_tx_bytes_per_iter")
 #: bytes one worker sent over inter-node links (emulated nodes of several workers)
@@ -46,7 +49,8 @@ def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     """The table's columns. Optional ones appear when some run has them: measured interface
     bytes next to the counted MB, the simulator's prediction next to the measured time, and
     for time-to-accuracy runs final accuracy, training time and time to the target instead
-    of the per-iteration speed-up and the bounds."""
+    of the per-iteration speed-up and the bounds. Each method's schedule bound follows the
+    universal bound when the simulator gave one."""
     runs = result.get("runs", [])
     cols = list(COLUMNS)
     if any(r.get("measured_tx_bytes_per_iter") is not None for r in runs):
@@ -56,6 +60,9 @@ def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
     if any(r.get("predicted_iter_time_s") is not None for r in runs):
         at = cols.index(("iter ms", "iter_time_s_median")) + 1
         cols[at:at] = PREDICTION_COLUMNS
+    if any(r.get("schedule_bound_s") is not None for r in runs):
+        at = cols.index(("iter/bound", "bound_ratio")) + 1
+        cols[at:at] = SCHEDULE_BOUND_COLUMNS
     if not result.get("epochs"):
         return tuple(cols)
     return tuple(c for c in cols if c[1] not in NOT_IN_TTA) + TTA_COLUMNS
@@ -90,7 +97,7 @@ def _fmt(key: str, run: dict[str, Any]) -> str:
         return f"{100 * v:+.0f}%"
     if key == "samples_per_s":
         return f"{v:.1f}"
-    if key in ("speedup_vs_ssgd", "bound_ratio", "tta_speedup_vs_ssgd"):
+    if key in ("speedup_vs_ssgd", "bound_ratio", "schedule_bound_ratio", "tta_speedup_vs_ssgd"):
         return f"{v:.2f}x"
     if key == "final_test_accuracy":
         return f"{100 * v:.1f}"

@@ -7,7 +7,8 @@ with :func:`add`; the trainer subtracts it from the backward wall time so phases
 double-count.
 
 Work a GPU would run on the device (``compress``: a method's encode/decode kernels, queued on
-the stream behind backward's) is also reported to the listeners registered with
+the stream behind backward's; ``optimizer`` reported from hooks: DeAR's per-group update before
+a layer's forward, lee18's shard update during backward) is also reported to the listeners registered with
 :func:`on_device_work`: the emulated-compute clock (:mod:`lowcomm.runtime.emulated`) delays its
 remaining layer deadlines by it, so host-side compression follows the emulated compute instead
 of hiding inside its waits.
@@ -24,7 +25,7 @@ from typing import Callable, Iterator
 
 PHASES = ("data", "forward", "backward", "comm_wait", "compress", "optimizer")
 #: phases whose work a GPU runs on the device, in order with the layers' kernels
-DEVICE_PHASES = ("compress",)
+DEVICE_PHASES = ("compress", "optimizer")
 
 
 class StepTimer:

@@ -224,7 +224,7 @@ class Trainer:
         self.timer.add(name, max(0.0, end - start - inner))
 
     def _snapshot(self) -> dict[str, float]:
-        return {p: self.timer.get(p) for p in ("comm_wait", "compress")}
+        return {p: self.timer.get(p) for p in ("comm_wait", "compress", "optimizer")}
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on batch ``(x, y)``, timed by phase; returns the loss."""
@@ -254,7 +254,7 @@ class Trainer:
         compute_end = min(max(self.clock.last, fwd_end), bwd_end)
         # Waiting after the last gradient was ready is exposed communication.
         t.add("comm_wait", bwd_end - compute_end)
-        self._phase_wall("backward", fwd_end, compute_end, {"compress": snap["compress"]})
+        self._phase_wall("backward", fwd_end, compute_end, {p: snap[p] for p in ("compress", "optimizer")})
         with t.phase("comm_wait"):
             self.method.finish_sync()
 

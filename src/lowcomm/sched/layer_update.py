@@ -55,6 +55,7 @@ stepped after ``optimizer_step`` (the usual place) and any change made to
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,7 @@ import torch
 from lowcomm.compress.feedback import finite_flag
 from lowcomm.errors import UsageError
 from lowcomm.optim.sharded import ShardedOptimizer, Snapshot
+from lowcomm.runtime import timing
 from lowcomm.sched.groups import Group
 from lowcomm.sched.payload import InFlight
 
@@ -149,12 +151,16 @@ class LayerUpdate:
             return
         self._inflight.append(g)
         while self._inflight and _completed(self._inflight[0]):
-            self._update(self._inflight.pop(0))
+            self._update(self._inflight.pop(0), in_backward=True)
 
-    def _update(self, g: Group) -> None:
+    def _update(self, g: Group, *, in_backward: bool = False) -> None:
+        """Settle and step group ``g``; in backward the step is reported as ``optimizer`` work
+        (device work on a GPU, which emulated compute waits for: :mod:`lowcomm.runtime.timing`;
+        in ``finish_sync`` the trainer times it as exposed communication already)."""
         self._flags[g.index] = finite_flag(self.engine._settle(g))
         assert self.optimizer is not None
-        self._snaps.append(self._sharded.step_buffer(self.optimizer, g.index))
+        with timing.measure("optimizer") if in_backward else contextlib.nullcontext():
+            self._snaps.append(self._sharded.step_buffer(self.optimizer, g.index))
 
     def finite(self, g: Group) -> torch.Tensor:
         """``finish_sync`` (groups in launch order): group ``g``'s finiteness flag. A group

@@ -167,9 +167,12 @@ def scale_compression(profile: Profile, factor: float) -> Profile:
     Why: in emulated compute the layers are waits, so the ``nocomm`` calibration sees no core
     sharing, but the compression stays real CPU work that the workers of one machine run at
     the same moments (they are in lock-step) on fewer cores than workers: each takes about
-    ``workers x threads / cores`` times its one-process time (:func:`core_share`)."""
-    if factor <= 0 or not math.isfinite(factor):
-        raise ValueError(f"scale factor must be a positive number, got {factor}")
+    ``workers x threads / cores`` times its one-process time (:func:`core_share`).
+
+    ``factor`` 0 makes compression free: the schedule bound
+    (:mod:`lowcomm.bench.schedule_bound`) adds the kernels' bound instead."""
+    if factor < 0 or not math.isfinite(factor):
+        raise ValueError(f"compression scale factor must be a number >= 0, got {factor}")
     out = copy.deepcopy(profile)
     for prof in (out, out.factorized):
         if prof is not None:

@@ -54,11 +54,18 @@ class Prediction:
 
 def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,
              iterations: int = ITERATIONS, bucket_mb: float = 25.0,
-             first_bucket_mb: float = 1.0) -> tuple[Sim, Schedule]:
-    """Run the schedule; return the simulation (timeline inside) and the schedule object."""
+             first_bucket_mb: float = 1.0, plan: list[int] | None = None) -> tuple[Sim, Schedule]:
+    """Run the schedule; return the simulation (timeline inside) and the schedule object.
+
+    ``plan``: layers per group (forward order) that a run's planner chose, replayed instead of
+    planning (``mgwfbp`` only: its plan comes from timings the engine measures online)."""
     if int(workers) != workers or workers < 1:
         raise UsageError(f"workers must be a positive integer, got {workers}")
     schedule = make_schedule(method_spec)
+    if plan is not None:
+        if not hasattr(schedule, "replay"):
+            raise UsageError(f"{schedule.name} has no plan to replay; only mgwfbp plans at run time")
+        schedule.replay = list(plan)
     sim = Sim(schedule.profile_for(profile), int(workers), network, bucket_mb=bucket_mb,
               first_bucket_mb=first_bucket_mb)
     schedule.setup(sim)
@@ -69,16 +76,16 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
 
 def predict_iteration_time(profile: Profile, method_spec: str, *, workers: int,
                            network: NetworkModel, bucket_mb: float = 25.0,
-                           first_bucket_mb: float = 1.0) -> Prediction:
+                           first_bucket_mb: float = 1.0, plan: list[int] | None = None) -> Prediction:
     """Predicted steady-state iteration time of ``method_spec`` on ``workers`` workers.
 
     ``method_spec`` is a ``--method`` string (``"acpsgd:rank=4"``); its options are parsed by
     the method itself. ``bucket_mb``/``first_bucket_mb`` are DDP's bucket caps (the trainer's
-    ``--bucket-cap-mb``).
+    ``--bucket-cap-mb``); ``plan`` as in :func:`simulate`.
     """
     check_positive("workers", workers)
     sim, _ = simulate(profile, method_spec, workers=workers, network=network,
-                      bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+                      bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, plan=plan)
     tl = sim.tl
     first, last = 1, ITERATIONS
     n = last - first

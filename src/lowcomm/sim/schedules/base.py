@@ -230,3 +230,19 @@ def layer_buckets(sim: Sim, groups: list[list[int]]) -> list[Bucket]:
     for t in sim.tensors_backward():
         by_layer.setdefault(t.layer, []).append(t)
     return [Bucket(k, [t for i in g for t in by_layer.get(i, [])]) for k, g in enumerate(groups)]
+
+
+def groups_of(sim: Sim, sizes: list[int]) -> list[list[int]]:
+    """Layer groups in backward order from the engine's plan: layer counts per group in forward
+    order (``group_sizes_units`` in a run's summary), over the layers with parameters."""
+    from lowcomm.errors import UsageError
+
+    layers = [i for i, layer in enumerate(sim.profile.layers) if layer.numel > 0]
+    if sum(sizes) != len(layers) or min(sizes, default=1) < 1:
+        raise UsageError(f"a plan of {sum(sizes)} layers in groups {sizes} does not fit the profile's "
+                         f"{len(layers)} layers with parameters")
+    groups, start = [], 0
+    for n in sizes:
+        groups.append(layers[start:start + n])
+        start += n
+    return [list(reversed(g)) for g in reversed(groups)]

@@ -26,7 +26,7 @@ from lowcomm.compress.codec import CodecCost
 from lowcomm.sched.deferred import AHEAD_BYTES
 from lowcomm.sched.pairing import Mode
 
-from lowcomm.sim.schedules.base import MIB, Schedule, Sim, layer_buckets
+from lowcomm.sim.schedules.base import MIB, Schedule, Sim, groups_of, layer_buckets
 from lowcomm.sim.schedules.codec import CodecPlan
 from lowcomm.sim.schedules.ddp import BucketSchedule
 from lowcomm.sim.timeline import Task
@@ -66,13 +66,8 @@ def mgwfbp_groups(sim: Sim, alpha: float | None = None, beta: float | None = Non
         alpha = sim.net.all_reduce(0.0, sim.p)
         probe = 4 * MIB
         beta = (sim.net.all_reduce(probe, sim.p) - alpha) / probe
-    sizes = plan_mgwfbp([ready[i] for i in layers], [sim.layer_bytes(i) for i in layers],
-                        [prof.layers[i].numel for i in layers], AlphaBeta(alpha, beta))
-    groups, start = [], 0
-    for n in sizes:
-        groups.append(layers[start:start + n])
-        start += n
-    return [list(reversed(g)) for g in reversed(groups)]
+    return groups_of(sim, plan_mgwfbp([ready[i] for i in layers], [sim.layer_bytes(i) for i in layers],
+                                      [prof.layers[i].numel for i in layers], AlphaBeta(alpha, beta)))
 
 
 @dataclass
@@ -92,10 +87,15 @@ class MGWFBP(BucketSchedule):
     caveat = "same updates as ssgd (scheduling only)."
     exact = True
     summary = "WFBP with layers merged by the alpha-beta rule"
+    #: a plan a run made (layers per group, forward order) to replay instead of planning
+    #: (:func:`lowcomm.sim.predict.simulate`'s ``plan``): the engine plans from timings it
+    #: measures online, which a profile reproduces only approximately
+    replay: list[int] | None = None
 
     def setup(self, sim: Sim) -> None:
-        """Groups from the engine's planner."""
-        self.groups = mgwfbp_groups(sim, self.opt("alpha", None), self.opt("beta", None))
+        """Groups from the engine's planner, or the replayed plan."""
+        self.groups = (groups_of(sim, self.replay) if self.replay is not None
+                       else mgwfbp_groups(sim, self.opt("alpha", None), self.opt("beta", None)))
         self.buckets = layer_buckets(sim, self.groups)
 
 

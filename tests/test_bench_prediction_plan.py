@@ -1,0 +1,47 @@
+"""The bench predicts an mgwfbp row with the fusion plan its engine made at run time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lowcomm.bench.prediction import add_predictions, plan_of
+from lowcomm.sim import LayerProfile, Link, NetworkModel, Profile, predict_iteration_time
+
+PROFILE = Profile(model="two", batch_size=8, optimizer_s=0.0,
+                  layers=[LayerProfile("a", 2e-3, 4e-3, [[1024, 1024]]), LayerProfile("b", 2e-3, 4e-3, [[1024, 1024]])])
+#: α far above the backward gap: the simulator's own planner would merge both layers
+INFO = {"measured_bits_per_s": 8e9, "rtt_ms": 2000.0}
+
+
+def _row(method: str, info: dict[str, Any]) -> dict[str, Any]:
+    return {"method": method, "status": "ok", "iter_time_s_median": 1.0, "compute": "real", "method_info": info}
+
+
+def test_only_a_planned_mgwfbp_row_has_a_plan_to_replay() -> None:
+    planned = {"method": "mgwfbp", "planned": True, "group_sizes_units": [1, 1]}
+    assert plan_of(_row("mgwfbp", planned)) == [1, 1]
+    assert plan_of(_row("mgwfbp", {**planned, "planned": False})) is None
+    assert plan_of(_row("dear", {**planned, "method": "dear"})) is None
+    assert plan_of({"method": "mgwfbp", "status": "ok"}) is None
+
+
+def test_the_row_is_predicted_with_its_own_plan() -> None:
+    rows = [_row("mgwfbp", {"method": "mgwfbp", "planned": True, "group_sizes_units": [1, 1]})]
+    add_predictions(rows, PROFILE, INFO, workers=2)
+    net = NetworkModel(inter=Link(1.0, 1e-9))
+    split = predict_iteration_time(PROFILE, "mgwfbp", workers=2, network=net, plan=[1, 1]).iter_time_s
+    merged = predict_iteration_time(PROFILE, "mgwfbp", workers=2, network=net).iter_time_s
+    assert merged < split  # (the two plans do differ in time here)
+    assert rows[0]["predicted_iter_time_s"] == pytest.approx(split)
+    assert "prediction_note" not in rows[0]
+
+
+def test_a_plan_that_does_not_fit_the_profile_falls_back_to_planning_and_says_so() -> None:
+    rows = [_row("mgwfbp", {"method": "mgwfbp", "planned": True, "group_sizes_units": [3]})]
+    add_predictions(rows, PROFILE, INFO, workers=2)
+    net = NetworkModel(inter=Link(1.0, 1e-9))
+    assert rows[0]["predicted_iter_time_s"] == pytest.approx(
+        predict_iteration_time(PROFILE, "mgwfbp", workers=2, network=net).iter_time_s)
+    assert "the run's plan was not replayed" in rows[0]["prediction_note"]
