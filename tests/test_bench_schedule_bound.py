@@ -73,3 +73,23 @@ def test_failed_rows_are_left_alone() -> None:
     rows = _rows() + [{"method": "ssgd", "status": "failed", "reason": "boom"}]
     add_schedule_bounds(rows, PROFILE, GBIT, workers=2)
     assert "schedule_bound_s" not in rows[1]
+
+
+def test_a_model_axis_method_takes_its_compute_from_its_own_reference_row() -> None:
+    """Pufferfish trains a factorized model: like the universal bound, its schedule bound takes
+    the compute of its ``then=nocomm`` row, not the full model's ``nocomm``."""
+    factorized = Profile(model="toy-f", batch_size=8, optimizer_s=0.0,
+                         layers=[LayerProfile("a", 0.005, 0.01, [[1000, 10], [10, 1000]])])
+    prof = Profile(model="toy", batch_size=8, optimizer_s=0.0, factorized=factorized,
+                   layers=[LayerProfile("a", 0.01, 0.02, [[1000, 1000]])])
+    ref = "pufferfish:then=nocomm"
+    rows = _rows(**{ref: {"compute_reference": ref, "iter_time_s_median": 0.045},
+                    "pufferfish": {"compute_reference": ref}})
+    add_schedule_bounds(rows, prof, GBIT, workers=2)
+    assert rows[1]["schedule_bound_s"] == pytest.approx(0.045)  # 3x the profile's 0.015 s
+    wire = 2 * (2 - 1) / 2 * (1000 * 10 * 2) * 4 * 8 / 1e9
+    assert rows[2]["schedule_bound_s"] == pytest.approx(0.045 + wire)
+    # without its reference row the method gets a note, not the full model's compute
+    rows = _rows(pufferfish={"compute_reference": ref})
+    add_schedule_bounds(rows, prof, GBIT, workers=2)
+    assert rows[1]["schedule_bound_s"] is None and "did not run" in rows[1]["schedule_bound_note"]

@@ -13,8 +13,10 @@ own schedule.
 The schedule bound is that limit: the simulator runs the method's schedule
 (:mod:`lowcomm.sim.schedules`) with
 
-* the compute of the model as trained: the profile scaled so that ``nocomm`` takes the
-  faster of the bench's ``nocomm`` runs (the compute the universal bound uses);
+* the compute of the model as trained, as the universal bound takes it: the profile scaled so
+  that ``nocomm`` takes the faster of the bench's ``nocomm`` runs, or, for a model-axis method,
+  so that its own compute reference (Pufferfish's factorized model without communication)
+  takes that row's time;
 * an ideal link: the measured bandwidth, zero latency per message, every collective at the
   link's rate (no per-collective calibration, no queueing cost, no CPU contention);
 * free compression in the schedule, with the kernels' bound
@@ -60,7 +62,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
     method (PyTorch's reference hooks) or the run had no ``nocomm`` reference.
     """
     from lowcomm.sim import predict_iteration_time
-    from lowcomm.sim.calibrate import calibrate_compute, scale_compression
+    from lowcomm.sim.calibrate import calibrate_compute, scale_compression, scale_profile
 
     net = ideal_network(info, nproc_per_node, workers)
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
@@ -72,14 +74,21 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
         return used
     reference = min(nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]])
     prof, factor = calibrate_compute(profile, reference, workers=workers, network=net)
-    prof = scale_compression(prof, 0.0)
     used.update(compute_scale=factor, nocomm_reference_s=reference)
+    measured = {r["method"]: r["iter_time_s_median"] for r in rows if r.get("status") == "ok"}
+    profiles: dict[str, Any] = {"nocomm": scale_compression(prof, 0.0)}
     for r in rows:
         if r.get("status") != "ok" or not r.get("iter_time_s_median"):
             continue
         r["schedule_bound_s"] = r["schedule_bound_ratio"] = None
+        ref = r.get("compute_reference") or "nocomm"
         try:
-            sim = predict_iteration_time(prof, r.get("spec_run") or r["method"], workers=workers, network=net)
+            if ref not in profiles:  # a model-axis method: its own model's compute
+                if ref not in measured:
+                    raise UsageError(f"its compute reference {ref!r} did not run")
+                own = predict_iteration_time(profile, ref, workers=workers, network=net).iter_time_s
+                profiles[ref] = scale_compression(scale_profile(profile, measured[ref] / own), 0.0)
+            sim = predict_iteration_time(profiles[ref], r.get("spec_run") or r["method"], workers=workers, network=net)
         except UsageError as e:
             r["schedule_bound_note"] = str(e)
             continue
