@@ -125,6 +125,32 @@ def test_a_sharded_update_reported_from_a_hook_pushes_the_deadlines_back_too() -
     restore(model)
 
 
+def test_a_layer_waiting_for_its_all_gather_computes_after_it_not_under_it() -> None:
+    """DeAR/lee18 wait in a forward pre-hook for the all-gather the layer needs: on a GPU the
+    layer's kernels run after that wait, so the remaining deadlines follow the wait's end."""
+    model = _mlp()
+    emulate(model, _profile(model), torch.randn(1, 40))
+    clock = emulation_of(model).clock
+    clock.start_forward()
+    t0 = clock.forward_t0
+    clock.forward_done = 0  # layer 0's forward is over
+    late = t0 + clock.forward_end[0] + 5.0  # the next layer's all-gather arrives 5 s late
+    clock.waited(late)
+    assert clock.forward_deadline(1) == pytest.approx(late + clock.forward_s[1])
+    assert clock.forward_deadline(2) == pytest.approx(late + clock.forward_s[1] + clock.forward_s[2])
+    clock.waited(t0)  # a wait that ended before the deadlines moves nothing
+    assert clock.forward_deadline(1) == pytest.approx(late + clock.forward_s[1])
+    clock.start_forward()  # a new pass starts from its own clock
+    assert clock.forward_done == -1
+    before = clock.forward_deadline(0)
+    timing.stream_waited()  # through the process-wide report: the wait ends now
+    assert clock.forward_deadline(0) >= before
+    restore(model)
+    after = clock.forward_deadline(0)
+    timing.stream_waited()  # a restored model no longer follows
+    assert clock.forward_deadline(0) == after
+
+
 def test_a_restored_model_no_longer_follows_device_work() -> None:
     model = _mlp()
     emulate(model, _profile(model), torch.randn(1, 40))

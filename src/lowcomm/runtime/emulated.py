@@ -101,6 +101,7 @@ class _Clock:
         self.cuda = device.type == "cuda"
         self.cycles_per_s = _cuda_cycles_per_s(device) if self.cuda else 0.0
         self.forward_t0 = 0.0
+        self.forward_done = -1  # the last layer whose forward wait is over (this pass)
         self.backward_t0: float | None = None
         self._lock = threading.Lock()  # device work is reported from gloo's callback threads too
 
@@ -108,6 +109,19 @@ class _Clock:
         with self._lock:
             self.forward_t0 = time.perf_counter()
             self.backward_t0 = None
+            self.forward_done = -1
+
+    def waited(self, until: float) -> None:
+        """The host waited until ``until`` for a collective the next layer needs (an
+        all-gather before its forward): that layer's compute starts no earlier, so the
+        remaining forward deadlines move to follow it. Without this the layers after a long
+        wait found their deadlines passed and took no time, hiding compute under the wait,
+        which a GPU's stream cannot do. (CUDA: the stream waits by itself; no-op.)"""
+        if self.cuda:
+            return
+        with self._lock:
+            done = self.forward_end[self.forward_done] if self.forward_done >= 0 else 0.0
+            self.forward_t0 = max(self.forward_t0, until - done)
 
     def start_backward(self) -> None:
         with self._lock:
@@ -138,6 +152,8 @@ class _Clock:
 
     def wait_forward(self, i: int) -> None:
         self._wait(self.forward_s[i], lambda: self.forward_deadline(i))
+        with self._lock:
+            self.forward_done = i
 
     def wait_backward(self, i: int) -> None:
         self._wait(self.backward_s[i], lambda: self.backward_deadline(i))
@@ -342,7 +358,13 @@ def emulate(model: nn.Module, profile: Profile, example: torch.Tensor, *, rank: 
     emu = Emulation(root=model, profile=profile, modules=modules, params=params, grads=grads,
                     grad_out=[[torch.empty_like(g) for g in gs] for gs in grads], device=device,
                     clock=_Clock(profile.layers, device), in_tail=tuple(example.shape[1:]), out_tail=out_tail)
-    emu.stop_listening = timing.on_device_work(_weak(emu.clock.delay))
+    removers = (timing.on_device_work(_weak(emu.clock.delay)), timing.on_stream_wait(_weak(emu.clock.waited)))
+
+    def stop_listening() -> None:
+        for remove in removers:
+            remove()
+
+    emu.stop_listening = stop_listening
     object.__setattr__(model, _MARK, emu)
     _install(emu)
     return model

@@ -103,6 +103,30 @@ def on_device_work(listener: Callable[[float], None]) -> Callable[[], None]:
     return remove
 
 
+_WAIT_LISTENERS: list[Callable[[float], None]] = []
+
+
+def on_stream_wait(listener: Callable[[float], None]) -> Callable[[], None]:
+    """Call ``listener(t)`` whenever the host waited for a collective the next layer's compute
+    depends on, ``t`` being when that wait ended (``time.perf_counter``); returns the function
+    that unregisters it. Why: a GPU's stream would wait too, and run the layer only after
+    (the emulated-compute clock, :mod:`lowcomm.runtime.emulated`, pushes its deadlines)."""
+    _WAIT_LISTENERS.append(listener)
+
+    def remove() -> None:
+        if listener in _WAIT_LISTENERS:
+            _WAIT_LISTENERS.remove(listener)
+
+    return remove
+
+
+def stream_waited() -> None:
+    """Report that the wait for a collective the next layer needs has just ended."""
+    now = time.perf_counter()
+    for listener in list(_WAIT_LISTENERS):
+        listener(now)
+
+
 def add(name: str, seconds: float) -> None:
     """Credit ``seconds`` to phase ``name`` of the current step (thread-safe); device work is
     also passed to the :func:`on_device_work` listeners."""

@@ -104,6 +104,7 @@ class Deferred:
         if g.ag_work is not True:
             with timing.measure("comm_wait"):  # exposed all-gather wait inside forward
                 g.ag_work.wait()  # type: ignore[attr-defined]
+            timing.stream_waited()  # this group's layers compute only now (emulated compute waits)
         g.ag_work = None
         g.pending = False
         ahead = 0
