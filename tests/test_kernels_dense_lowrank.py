@@ -135,3 +135,55 @@ def test_fused_step_equals_the_plain_formulas_over_many_blocks(
         assert rel_err(u, want_u) <= tol
     else:
         assert torch.equal(u, u0)
+
+
+def _orth_batches() -> list[torch.Tensor]:
+    """Factor batches of several shapes, as one buffer's plan makes them (rank clipped on the last)."""
+    return [torch.randn(3, 40, 4, generator=_gen(61)), torch.randn(2, 130, 4, generator=_gen(62)),
+            torch.randn(1, 7, 2, generator=_gen(63))]
+
+
+def test_device_paths_orthogonalize_every_batch_at_once_like_qr() -> None:
+    """The device paths' padded Gram-Schmidt (one set of launches for all batches) gives QR's
+    basis, oriented alike, within QR's forward error (cond * rows * r * eps), and orthonormal."""
+    from lowcomm.compress.base import device_paths
+    from lowcomm.compress.matrices import orthogonalize_all
+
+    xs = _orth_batches()
+    with device_paths():
+        got = orthogonalize_all(xs)
+    for x, q in zip(xs, got):
+        want = orthogonalize(x)
+        cond = max(float(torch.linalg.cond(m.double())) for m in x)
+        assert q.shape == x.shape
+        assert rel_err(q, want) <= tolerance(torch.float32, ops=x.shape[1] * x.shape[2], cond=cond)
+        eye = torch.eye(x.shape[2]).expand(x.shape[0], -1, -1)
+        assert rel_err(q.transpose(1, 2) @ q, eye) <= tolerance(torch.float32, ops=x.shape[1] * x.shape[2])
+
+
+def test_cpu_paths_orthogonalize_batch_by_batch_with_qr() -> None:
+    from lowcomm.compress.matrices import orthogonalize_all
+
+    xs = _orth_batches()
+    for x, q in zip(xs, orthogonalize_all(xs)):
+        assert torch.equal(q, orthogonalize(x))
+
+
+def test_device_orthogonalization_zeroes_dependent_columns_and_passes_non_finite_input_on() -> None:
+    """A dependent column (or an all-zero factor, an unused parameter's) becomes zero, not NaN;
+    with the step's finite flag False every batch comes back as it came (the poison travels on)."""
+    from lowcomm.compress.base import device_paths
+    from lowcomm.compress.matrices import orthogonalize_all
+
+    x = torch.randn(2, 30, 3, generator=_gen(64))
+    x[0, :, 1] = 2.0 * x[0, :, 0]
+    x[1] = 0.0
+    with device_paths():
+        (q,) = orthogonalize_all([x])
+        assert torch.isfinite(q).all()
+        assert torch.equal(q[0, :, 1], torch.zeros(30)) and torch.equal(q[1], torch.zeros(30, 3))
+        kept = q[0][:, [0, 2]]
+        assert rel_err(kept.T @ kept, torch.eye(2)) <= tolerance(torch.float32, ops=30 * 3)
+        bad = [torch.full((1, 9, 2), float("nan")), torch.randn(2, 5, 2, generator=_gen(65))]
+        out = orthogonalize_all(bad, torch.tensor(False))
+        assert torch.isnan(out[0]).all() and torch.equal(out[1], bad[1])

@@ -16,6 +16,7 @@ import torch
 from lowcomm.compress.codec import Layout, Message, codec_class
 from lowcomm.compress.selection import accumulate_topk, device_paths, topk_magnitude
 from lowcomm.compress.sparse_kernels import Spares, merge_sorted_segments, mergeable, sent_mask
+from lowcomm.compress.sparse_device import merge_sparse_batched
 from lowcomm.compress.topk import merge_sparse_segments
 
 SIZES = [1, 7, 40, 3, 130, 64, 2]
@@ -48,6 +49,30 @@ def test_merge_of_sorted_lists_equals_the_per_tensor_unique_merge_bit_for_bit(ti
         got_v, got_i = merge_sorted_segments(ps, ks, bounds)
         assert torch.equal(got_i, want_i)
         assert torch.equal(got_v.view(torch.int32), want_v.view(torch.int32))  # -0.0 vs +0.0 too
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("density", [0.05, 0.5, 1.0])
+def test_device_merge_of_all_segments_at_once_equals_the_per_tensor_merge_bit_for_bit(ties: bool, density: float) -> None:
+    """The device paths' merge (fixed-size whole-payload ops, no host reads) against the
+    per-tensor unique-and-select merge: the same indices and the same floats (-0.0 too),
+    whichever part is listed first, with parts unsorted within a segment as well."""
+    rng = np.random.default_rng(int(100 * density) + ties + 7)
+    ks = [max(1, min(n, int(np.ceil(density * n)))) for n in SIZES]
+    for trial in range(5):
+        ps = [_part(rng, SIZES, ks, ties) for _ in range(2)]
+        if trial % 2:  # the order within each segment does not matter to either merge
+            ps = [(v.flip(0), i.flip(0)) for v, i in ps]
+            ps = [(torch.cat([v for v in pv.split(ks[::-1])][::-1]), torch.cat([i for i in pi.split(ks[::-1])][::-1]))
+                  for pv, pi in ps]
+        for pair in (ps, ps[::-1]):
+            want_v, want_i = merge_sparse_segments(pair, ks)
+            with device_paths():
+                got_v, got_i = merge_sparse_segments(pair, ks)
+            direct_v, direct_i = merge_sparse_batched(pair, ks)
+            assert torch.equal(got_i, want_i) and torch.equal(direct_i, want_i)
+            assert torch.equal(got_v.view(torch.int32), want_v.view(torch.int32))
+            assert torch.equal(direct_v.view(torch.int32), want_v.view(torch.int32))
 
 
 def test_merge_of_one_element_tensors_and_unsorted_parts() -> None:

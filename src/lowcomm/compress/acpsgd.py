@@ -18,7 +18,7 @@ import torch
 from lowcomm.compress.codec import CodecCost, Layout, Message, Work, register_codec
 from lowcomm.compress.feedback import finite_flag, keep_where_
 from lowcomm.compress.lowrank import LowRankCodec, LowRankOptions, _cpu_true, _Step
-from lowcomm.compress.matrices import Plan, batched_mm, fused_step, orthogonalize, unflatten
+from lowcomm.compress.matrices import Plan, batched_mm, fused_step, orthogonalize_all, unflatten
 
 
 @dataclass
@@ -117,15 +117,20 @@ class ACPSGDCodec(LowRankCodec):
             return self.message(st, [], name="unc", final=True, pad_to=pad_to)
         p = st.p_step = self.p_step(self.step)
         fixed_table, sent_table = (self.q, self.p) if p else (self.p, self.q)
-        st.fixed = [orthogonalize(self.factors(fixed_table, layout, st.plan, b, not p, flat)) for b in st.plan.batches]
+        st.fixed = orthogonalize_all([self.factors(fixed_table, layout, st.plan, b, not p, flat) for b in st.plan.batches])
         st.start = [self.factors(sent_table, layout, st.plan, b, p, flat) for b in st.plan.batches]
         sent = [batched_mm(m, f, transpose=not p) for m, f in zip(st.mats, st.fixed)]
         self.mask_sent(st, right=p, ok=finite)
         if st.mem:  # local error feedback: e <- M - P Q^T (local factors), if finite
             for b, s, f, ms in zip(st.plan.batches, sent, st.fixed, st.mats):
                 left, right = (s, f) if p else (f, s)
-                for k, j in enumerate(b.members):
-                    keep_where_(st.mem[j].view(b.n, b.m), finite, torch.addmm(ms[k], left[k], right[k].T, alpha=-1.0))
+                mem = [st.mem[j].view(b.n, b.m) for j in b.members]
+                if isinstance(ms, torch.Tensor) and len(b.members) > 1:  # stacked: one product, one select
+                    res = torch.baddbmm(ms, left, right.transpose(1, 2), alpha=-1.0)
+                    torch._foreach_copy_(mem, list(torch.where(finite, res, torch.stack(mem)).unbind(0)))
+                    continue
+                for k in range(len(b.members)):
+                    keep_where_(mem[k], finite, torch.addmm(ms[k], left[k], right[k].T, alpha=-1.0))
         return self.message(st, sent, name="P" if p else "Q", final=True, pad_to=pad_to)
 
     def _encode_fused(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, pad_to: int,
@@ -168,7 +173,7 @@ class ACPSGDCodec(LowRankCodec):
             return self.message(st, [], name="unc", final=True, pad_to=pad_to)
         p = st.p_step = self.p_step(self.step)
         fixed_table, sent_table = (self.q, self.p) if p else (self.p, self.q)
-        st.fixed = [orthogonalize(self.factors(fixed_table, layout, plan, b, not p, flat)) for b in plan.batches]
+        st.fixed = orthogonalize_all([self.factors(fixed_table, layout, plan, b, not p, flat) for b in plan.batches])
         st.start = [self.factors(sent_table, layout, plan, b, p, flat) for b in plan.batches]
         masking = self.momentum_factor != 0.0 and bool(self.options.momentum_masking)
         u = vel if vel is not None else self.velocity.find(layout.names) if masking else None

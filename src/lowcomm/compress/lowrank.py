@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
-from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, orthogonalize_if, poison_
+from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, poison_
 from lowcomm.compress.matrices import (
     STACK_MAX_NUMEL,
     Batch,
@@ -58,6 +58,7 @@ from lowcomm.compress.matrices import (
     mask_,
     matrix_shape,
     orthogonalize,
+    orthogonalize_all,
     outer_,
     rebuild_,
     seeded_normal,
@@ -69,7 +70,7 @@ from lowcomm.compress.selection import cpu_fast
 
 __all__ = [  # the tensor math is re-exported: callers import it from here
     "Batch", "Batched", "LowRankCodec", "LowRankOptions", "Plan", "PowerSGDCodec", "PowerSGDOptions", "STACK_MAX_NUMEL", "batched_mm", "effective_rank", "factor_seed",
-    "matrix_shape", "orthogonalize", "seeded_normal", "should_compress", "unflatten",
+    "matrix_shape", "orthogonalize", "orthogonalize_all", "seeded_normal", "should_compress", "unflatten",
 ]
 
 
@@ -180,8 +181,9 @@ class LowRankCodec(Codec):
                       ok: torch.Tensor) -> None:
         """``table[name] <- new`` where ``ok``, else the factor this step began from."""
         for b, f, old in zip(st.plan.batches, new, st.start):
+            kept = torch.where(ok, f, old)  # one op per batch (entries are its rows, never written)
             for k, j in enumerate(b.members):
-                table[st.layout.names[st.plan.compressed[j]]] = torch.where(ok, f[k], old[k])
+                table[st.layout.names[st.plan.compressed[j]]] = kept[k]
 
     def inputs(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor) -> _Step:
         """Compensate the matrices in place in ``flat`` (``M = g + e``); copy the rest."""
@@ -214,27 +216,50 @@ class LowRankCodec(Codec):
         return Message(poison_(buf, st.finite), "all_reduce", final=final, name=name, ctx=st, numel=numel)
 
     def write(self, out: torch.Tensor, st: _Step, unc_sum: torch.Tensor, left: list[torch.Tensor],
-              right: list[torch.Tensor], residual: list[torch.Tensor] | None = None) -> None:
+              right: list[torch.Tensor], memory: list[torch.Tensor] | None = None,
+              ok: torch.Tensor | None = None) -> None:
         """``out`` <- the mean: uncompressed sums / W, matrices ``left @ right^T / W`` written
-        in place (the 1/W goes on the small left factor). With ``residual``, first store
-        ``M - left @ right^T / W`` there (``M`` may alias ``out``, hence the order)."""
+        in place (the 1/W goes on the small left factor). With ``memory`` (views per
+        compressed tensor), first store the residual ``M - left @ right^T / W`` there, only
+        where the 0-dim flag ``ok`` holds (None: always; ``M`` may alias ``out``, hence the
+        order).
+
+        Device paths: a batch of small same-shape matrices (stacked in :meth:`inputs`) is
+        written with one ``bmm`` and multi-tensor copies instead of one product (and one
+        residual and one select) per matrix: a GPU's decode is bound by kernel launches."""
         sizes = st.layout.sizes  # (a property that recomputes: once, not per tensor)
         views = out.split(sizes)
-        blocked = residual is not None and cpu_fast(out)  # one product per block for both
+        blocked = memory is not None and ok is None and cpu_fast(out)  # one product per block for both
         for i, (b, a, c) in enumerate(zip(st.plan.batches, left, right)):
             a = a / self.world
+            mats = st.mats[i] if st.mats else None  # (the fused CPU encode keeps none; no residual then)
+            targets = [views[st.plan.compressed[j]].view(b.n, b.m) for j in b.members]
+            if isinstance(mats, torch.Tensor) and len(b.members) > 1 and not cpu_fast(out):
+                prod = torch.bmm(a, c.transpose(1, 2))
+                if memory is not None:
+                    mem = [memory[j].view(b.n, b.m) for j in b.members]
+                    res = mats - prod
+                    if ok is not None:
+                        res = torch.where(ok, res, torch.stack(mem))
+                    torch._foreach_copy_(mem, list(res.unbind(0)))
+                torch._foreach_copy_(targets, list(prod.unbind(0)))
+                continue
             for k, j in enumerate(b.members):
-                target = views[st.plan.compressed[j]].view(b.n, b.m)
-                if residual is not None and blocked:
-                    rebuild_(target, st.mats[i][k], a[k], c[k], residual[j].view(b.n, b.m))
-                    continue
-                if residual is not None:
-                    torch.addmm(st.mats[i][k], a[k], c[k].T, alpha=-1.0, out=residual[j].view(b.n, b.m))
-                outer_(target, a[k], c[k])
-        off = 0
-        for i in st.plan.uncompressed:
-            views[i].view(-1).copy_(unc_sum[off : off + sizes[i]]).div_(self.world)
-            off += sizes[i]
+                if memory is not None:
+                    assert mats is not None  # (the residual needs the matrices)
+                    res = memory[j].view(b.n, b.m)
+                    if blocked:
+                        rebuild_(targets[k], mats[k], a[k], c[k], res)
+                        continue
+                    if ok is None:
+                        torch.addmm(mats[k], a[k], c[k].T, alpha=-1.0, out=res)
+                    else:
+                        keep_where_(res, ok, torch.addmm(mats[k], a[k], c[k].T, alpha=-1.0))
+                outer_(targets[k], a[k], c[k])
+        if st.plan.uncompressed:  # one division and one multi-tensor copy, not two ops per tensor
+            usizes = [sizes[i] for i in st.plan.uncompressed]
+            mean = (unc_sum[: sum(usizes)] / self.world).split(usizes)
+            torch._foreach_copy_([views[i].view(-1) for i in st.plan.uncompressed], list(mean))
 
     def decode_uncompressed(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """A buffer without compressible matrices: the summed tensors / W."""
@@ -260,6 +285,15 @@ class LowRankCodec(Codec):
         views = u.split(st.layout.sizes)
         inplace = _cpu_true(ok, u)  # ``u -= sent`` block by block in cache, no temporaries
         for b, basis in zip(st.plan.batches, st.fixed):
+            if not inplace and len(b.members) > 1 and b.n * b.m <= STACK_MAX_NUMEL:
+                # device paths: the batch's small matrices in one stacked product, one select
+                # and one multi-tensor copy instead of four ops per matrix (launch-bound GPU)
+                ums = [views[st.plan.compressed[j]].view(b.n, b.m) for j in b.members]
+                stacked = torch.stack(ums)
+                sent = (torch.bmm(torch.bmm(stacked, basis), basis.transpose(1, 2)) if right else
+                        torch.bmm(basis, torch.bmm(basis.transpose(1, 2), stacked)))
+                torch._foreach_copy_(ums, list(torch.where(ok, stacked - sent, stacked).unbind(0)))
+                continue
             for k, j in enumerate(b.members):
                 um, f = views[st.plan.compressed[j]].view(b.n, b.m), basis[k]
                 if inplace:
@@ -336,7 +370,7 @@ class PowerSGDCodec(LowRankCodec):
         st: _Step = msg.ctx
         unc = st.unc.numel()
         st.unc_sum, st.p_ok = received[:unc], finite_flag(received[: msg.numel])
-        st.fixed = [orthogonalize_if(p, st.p_ok) for p in unflatten(received[unc : msg.numel], st.sent)]
+        st.fixed = orthogonalize_all(unflatten(received[unc : msg.numel], st.sent), st.p_ok)
         qs = [batched_mm(m, p, transpose=True) for m, p in zip(st.mats, st.fixed)]
         self.mask_sent(st, right=False, ok=st.p_ok & st.finite)
         return self.message(st, qs, name="Q", final=True, with_unc=False)
@@ -350,11 +384,8 @@ class PowerSGDCodec(LowRankCodec):
         ok = (st.p_ok if st.p_ok is not None else st.finite) & finite_flag(received[: msg.numel])
         if st.mem and _cpu_true(ok, out):  # the residual straight into the memory (no copy)
             self.write(out, st, st.unc_sum, st.fixed, q_sum, st.mem)
-        else:
-            residual = [torch.empty_like(v) for v in st.mem] if st.mem else None
-            self.write(out, st, st.unc_sum, st.fixed, q_sum, residual)
-            for mem, new in zip(st.mem, residual or []):
-                keep_where_(mem, ok, new)
+        else:  # the residual kept only where everything was finite, without a host read
+            self.write(out, st, st.unc_sum, st.fixed, q_sum, st.mem or None, ok)
         if self.options.warm_start:
             self.store_factors(self.q, st, q_sum, ok)
 

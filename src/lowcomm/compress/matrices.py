@@ -43,10 +43,88 @@ def orthogonalize(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``x`` (batched ``(..., n, r)``), via reduced QR in fp32.
 
     QR (not Gram-Schmidt) so zero or dependent columns give no NaN. Deterministic for equal
-    inputs, so every rank derives the same factor from the same all-reduced tensor.
+    inputs, so every rank derives the same factor from the same all-reduced tensor. Each
+    column is oriented so that ``R``'s diagonal is positive (LAPACK and cuSOLVER leave the
+    sign to the Householder reflection): the orientation Gram-Schmidt gives, so this and the
+    device paths' :func:`orthogonalize_all` send the same factors up to round-off.
     """
-    q, _ = torch.linalg.qr(x.to(torch.float32), mode="reduced")
+    q, r = torch.linalg.qr(x.to(torch.float32), mode="reduced")
+    sign = torch.diagonal(r, dim1=-2, dim2=-1).sign()
+    q = q * torch.where(sign == 0, torch.ones_like(sign), sign).unsqueeze(-2)
     return q.to(x.dtype)
+
+
+#: a column whose norm left after the projections is below this fraction of its norm before
+#: them is dependent on the earlier columns and set to zero (float32's unit round-off times 64)
+DEPENDENT_RTOL = 64 * torch.finfo(torch.float32).eps
+
+
+def orthogonalize_all(xs: Sequence[torch.Tensor], finite: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Orthonormal columns spanning each batch ``(b_i, n_i, r_i)`` of ``xs``: :func:`orthogonalize`
+    per batch on CPU; on other devices all batches in one padded batch by Gram-Schmidt.
+
+    Why two forms: a buffer holds one batch per matrix shape (21 on ResNet-50), and on a GPU
+    ``torch.linalg.qr`` loops over the batch in cuSOLVER, two calls per matrix with host-side
+    work each (about 0.4 ms per batch measured on an H100, docs/kernels.md): more than the
+    rest of the codec. Here the factors are zero-padded to the largest ``n x r`` (zero rows
+    and columns change no inner product) and orthonormalized by classical Gram-Schmidt run
+    twice ("twice is enough": orthogonal to working precision for any factor whose columns
+    are not dependent), a fixed ~10 launches per column whatever the number of matrices.
+    Same span, so the low-rank products ``M F F^T`` and everything the codecs send or write
+    from them agree with QR's up to round-off; a column's sign may differ from QR's (the
+    products do not see it). A dependent or zero column becomes zero instead of QR's
+    arbitrary completion (the factor loses a rank, as the matrix has). Deterministic, so
+    every rank derives the same basis from the same summed factor.
+
+    ``finite`` (0-dim flag, optional): where it is False each batch comes back as it came
+    (the poison travels on), without a host read, as
+    :func:`~lowcomm.compress.feedback.orthogonalize_if` does."""
+    if not xs:
+        return []
+    if cpu_fast(*xs):
+        if finite is None:
+            return [orthogonalize(x) for x in xs]
+        from lowcomm.compress.feedback import orthogonalize_if  # (feedback imports this module)
+
+        return [orthogonalize_if(x, finite) for x in xs]
+    rows = max(x.shape[1] for x in xs)
+    cols = max(x.shape[2] for x in xs)
+    total = sum(x.shape[0] for x in xs)
+    pad = xs[0].new_zeros(total, rows, cols, dtype=torch.float32)
+    at = 0
+    for x in xs:  # (one small copy per batch: cheap launches, no solver calls)
+        pad[at : at + x.shape[0], : x.shape[1], : x.shape[2]].copy_(x)
+        at += x.shape[0]
+    if finite is None:
+        q = _gram_schmidt_twice(pad)
+    else:  # Gram-Schmidt on zeros where the input is not finite, then the input itself back
+        q = _gram_schmidt_twice(torch.where(finite, pad, torch.zeros((), dtype=pad.dtype, device=pad.device)))
+        q = torch.where(finite, q, pad)
+    out, at = [], 0
+    for x in xs:
+        out.append(q[at : at + x.shape[0], : x.shape[1], : x.shape[2]].to(x.dtype))
+        at += x.shape[0]
+    return out
+
+
+def _gram_schmidt_twice(a: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns of each ``(n, r)`` matrix of ``a`` (``(b, n, r)``, float32), column
+    by column, each projected off the earlier ones twice (classical Gram-Schmidt with
+    re-orthogonalization), then normalized; dependent columns set to zero (see
+    :data:`DEPENDENT_RTOL`). Branch-free: no host reads."""
+    q = a.clone()
+    tiny = torch.finfo(q.dtype).tiny
+    for k in range(q.shape[2]):
+        col = q[:, :, k : k + 1]
+        before = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+        if k:
+            done = q[:, :, :k]
+            for _ in range(2):
+                col.sub_(torch.bmm(done, torch.bmm(done.transpose(1, 2), col)))
+        after = torch.linalg.vector_norm(col, dim=1, keepdim=True)
+        keep = (after > DEPENDENT_RTOL * before) & (after > tiny)
+        col.mul_(torch.where(keep, after.clamp_min(tiny).reciprocal(), torch.zeros_like(after)))
+    return q
 
 
 def factor_seed(seed: int, param_index: int, salt: int) -> int:

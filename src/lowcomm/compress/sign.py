@@ -82,7 +82,7 @@ def _l1_scales(x: torch.Tensor, seg: list[int]) -> torch.Tensor:
     segment reduction adds in another order and would change the scales' last bits)."""
     if _cpu(x) and x.numel():
         return _means(torch.abs(x.reshape(-1), out=scratch("sign.abs", x.numel(), x.dtype)), seg)
-    return torch.stack([p.abs().mean() for p in x.split(seg)]).to(torch.float32)
+    return _means(x.reshape(-1).abs(), seg)  # (one abs for all: the same sums, half the launches)
 
 
 def _means(a: torch.Tensor, seg: list[int]) -> torch.Tensor:

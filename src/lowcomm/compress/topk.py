@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 
-from lowcomm.compress.base import Compressor
+from lowcomm.compress.base import Compressor, cpu_fast
 from lowcomm.compress.codec import CodecCost, Layout, Message, Round, Work, register_codec, unpack
 from lowcomm.compress.dgc import density_at
 from lowcomm.compress.feedback import Direct, ErrorFeedback, ParamStore, finite_flag, keep_where_
 from lowcomm.compress.gathered import PayloadCodec
 from lowcomm.compress.options import Duration, check_clip, check_density, check_start, parse_duration
+from lowcomm.compress.sparse_device import merge_sparse_batched
 from lowcomm.compress.selection import accumulate_topk, fast_path, scatter_mean, topk_magnitude
 from lowcomm.errors import UsageError, check_fraction
 
@@ -213,6 +214,8 @@ def merge_sparse_segments(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_sparse` per segment. Each part lists ``ks[s]`` entries for segment 0,
     then segment 1, ...; so does the result."""
+    if parts and not cpu_fast(parts[0][0]):  # device paths: all segments at once, no host reads
+        return merge_sparse_batched(parts, ks)
     split = [(v.split(list(ks)), i.split(list(ks))) for v, i in parts]
     vals, idx = [], []
     for s, k in enumerate(ks):
