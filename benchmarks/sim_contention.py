@@ -5,11 +5,12 @@ costs compute time (copies, reduction, syscalls on the cores the workers compute
 simulator charges ``cpu_s_per_wire_byte`` of compute per wire byte when a network model
 carries it (``NetworkModel.with_contention``); this script measures it
 (``lowcomm.bench.contention.measure_contention``, a matmul loop alone vs beside all-reduces in
-the same process group) and re-predicts a recorded bench JSON with and without it, so the
-two can be compared row by row. Emulated-compute rows (``compute: emulated:*``) compute by
+the same process group), on an emulated cluster of each of the bench's networks as the bench
+itself does since 2026-11-28 (``--loopback``: on loopback, as before), and re-predicts a
+recorded bench JSON with and without it, so the two can be compared row by row. Emulated-compute rows (``compute: emulated:*``) compute by
 waiting and take no CPU: they are predicted without contention.
 
-    python benchmarks/sim_contention.py docs/bench/resnet18_4w.json [--k 1.5e-9] [--profile P.json]
+    python benchmarks/sim_contention.py docs/bench/resnet18_4w.json [--k 1.5e-9 | --k 100mbit=4e-8,1gbit=3e-9]\n        [--loopback] [--profile P.json]
 
 Prints JSON: the measured constant, then per row measured / predicted (k = 0) / predicted (k).
 Timings on a loaded machine: compare the two predictions in the same run, not across runs.
@@ -25,9 +26,10 @@ from typing import Any
 
 
 
-def repredict(bench: dict[str, Any], prof: Any, k: float) -> list[dict[str, Any]]:
-    """Every real-compute ok row of ``bench`` predicted with contention ``k`` (s per wire byte),
-    by the bench's own rule (:func:`lowcomm.bench.prediction.add_predictions`) on copies."""
+def repredict(bench: dict[str, Any], prof: Any, k: float | dict[str, float]) -> list[dict[str, Any]]:
+    """Every real-compute ok row of ``bench`` predicted with contention ``k`` (s per wire byte;
+    a dict: per requested network), by the bench's own rule
+    (:func:`lowcomm.bench.prediction.add_predictions`) on copies."""
     from lowcomm.bench.prediction import add_predictions
 
     out = []
@@ -35,7 +37,8 @@ def repredict(bench: dict[str, Any], prof: Any, k: float) -> list[dict[str, Any]
         runs = [copy.deepcopy(r) for r in bench["runs"] if r.get("net") == info["requested"] and r.get("status") == "ok"]
         if not any(r["method"] == "nocomm" for r in runs):
             continue
-        add_predictions(runs, prof, info, workers=bench["world_size"], contention_s_per_byte=k)
+        kn = k.get(info["requested"], 0.0) if isinstance(k, dict) else k
+        add_predictions(runs, prof, info, workers=bench["world_size"], contention_s_per_byte=kn)
         for r in runs:
             pred = r.get("predicted_iter_time_s")
             if pred is None:
@@ -46,26 +49,51 @@ def repredict(bench: dict[str, Any], prof: Any, k: float) -> list[dict[str, Any]
     return out
 
 
+def _measure(net: str, args: argparse.Namespace, bench: dict[str, Any]) -> dict[str, Any]:
+    """The contention constant on an emulated cluster of ``net`` (as the bench measures it),
+    or on loopback with ``--loopback`` or where namespaces are not available."""
+    from lowcomm.bench import netns
+    from lowcomm.bench.contention import measure_contention
+
+    workers = args.workers or bench["world_size"]
+    kw = {"seconds": args.seconds, "threads": bench.get("threads_per_worker") or 1}
+    reason = "--loopback" if args.loopback else netns.netns_support()
+    spec = netns.parse_net(net)
+    if reason or spec.loopback:
+        return {**measure_contention(workers, **kw), "where": f"loopback ({reason or 'no emulation'})"}
+    cluster = netns.Cluster(workers, spec, 1)
+    cluster.up()
+    try:
+        return {**measure_contention(workers, cluster=cluster, **kw), "where": f"emulated {spec.label()}"}
+    finally:
+        cluster.down()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure (or take) the contention constant and re-predict one bench JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("bench")
-    ap.add_argument("--k", type=float, default=None, help="seconds per wire byte (skip measuring)")
+    ap.add_argument("--k", default=None,
+                    help="seconds per wire byte, one value or NET=K,... per network (skip measuring)")
+    ap.add_argument("--loopback", action="store_true",
+                    help="measure on loopback, not on an emulated cluster of each network (the bench's rule)")
     ap.add_argument("--workers", type=int, default=None, help="workers to measure with (default: the bench's)")
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--profile", default=None, help="profile JSON (default: profile the bench's model here)")
     ap.add_argument("--save-profile", default=None)
     args = ap.parse_args(argv)
     bench = json.loads(Path(args.bench).read_text())
+    nets = [info["requested"] for info in bench.get("networks") or [bench["network"]]]
     measured: dict[str, Any] = {}
-    if args.k is None:
-        from lowcomm.bench.contention import measure_contention
-
-        measured = measure_contention(args.workers or bench["world_size"], seconds=args.seconds,
-                                      threads=bench.get("threads_per_worker") or 1)
-        k = measured["cpu_s_per_wire_byte"]
+    k: float | dict[str, float]
+    if args.k is not None:
+        k = ({n: float(v) for n, v in (item.split("=", 1) for item in args.k.split(","))} if "=" in args.k
+             else float(args.k))
     else:
-        k = args.k
+        k = {}
+        for net in nets:
+            measured[net] = _measure(net, args, bench)
+            k[net] = measured[net]["cpu_s_per_wire_byte"]
     if args.profile:
         from lowcomm.sim import Profile
 

@@ -181,7 +181,7 @@ def test_rows_get_the_simulators_prediction_calibrated_by_nocomm(tmp_path: Path)
 
     cfg = config(tmp_path, ["ssgd", "torch_fp16"], predict=True)
     result = harness.run_bench(cfg, launcher=launcher, profiler=lambda c: prof, collective_probe=probe,
-                               contention_probe=lambda c: 0.0)
+                               contention_probe=lambda c, cluster: 0.0)
     rows = {r["method"]: r for r in result["runs"]}
     assert len(probe_calls) == 1
     pred = result["network"]["prediction"]
@@ -292,3 +292,29 @@ def test_without_a_node_layout_a_cluster_worker_is_its_own_node() -> None:
         cluster = netns.Cluster(4, netns.parse_net("100mbit"), per_node or 1)
         cluster.addresses = ["198.18.0.1", "198.18.0.2"]
         assert runner.launch_options(cluster, 29500)["nproc_per_node"] == (per_node or 1)
+
+
+def test_contention_is_measured_on_each_network_where_its_rows_run(tmp_path: Path) -> None:
+    """The CPU a wire byte costs depends on the path (loopback, or veth + bridge + shaping at the
+    link's rate), so the constant is measured per network, on that network's cluster, and each
+    network's rows are predicted with their own."""
+    from lowcomm.sim import LayerProfile, Profile
+
+    prof = Profile(model="cnn1d", batch_size=16, optimizer_s=0.0,
+                   layers=[LayerProfile("a", 0.01, 0.02, [[500, 1000]]), LayerProfile("b", 0.01, 0.01, [[1000]])])
+    calls: list[Any] = []
+
+    def contention(cfg: harness.BenchConfig, cluster: Any) -> float:
+        calls.append(cluster)
+        return 1e-9 * len(calls)
+
+    def probe(cfg: harness.BenchConfig, cluster: Any, bits: float, work: Path) -> dict[str, Any]:
+        return {"workers": 2, "small_s": {"all_reduce": 2e-3}, "large": {"all_reduce": [4_000_000, 0.5]}}
+
+    cfg = config(tmp_path, ["ssgd"], predict=True)
+    cfg.nets = [netns.parse_net("none"), netns.parse_net("none")]
+    result = harness.run_bench(cfg, launcher=fake_launcher, profiler=lambda c: prof, collective_probe=probe,
+                               contention_probe=contention)
+    assert calls == [None, None]  # loopback: no cluster to measure on
+    ks = [info["prediction"]["contention_s_per_wire_byte"] for info in result["networks"]]
+    assert ks == [pytest.approx(1e-9), pytest.approx(2e-9)]

@@ -79,8 +79,9 @@ def _emulated_file_profile(cfg: BenchConfig, path: str, text: str) -> Any:
     return profile
 
 
-def gloo_contention(cfg: BenchConfig) -> float:
-    """Seconds of compute gloo's threads take per wire byte with the bench's workers and threads."""
+def gloo_contention(cfg: BenchConfig, cluster: Any = None) -> float:
+    """Seconds of compute gloo's threads take per wire byte with the bench's workers and threads,
+    measured on ``cluster``'s emulated links (None: loopback), where the bench's methods run."""
     from lowcomm.bench.contention import measure_contention
 
-    return float(measure_contention(cfg.nproc, threads=cfg.threads or 1)["cpu_s_per_wire_byte"])
+    return float(measure_contention(cfg.nproc, threads=cfg.threads or 1, cluster=cluster)["cpu_s_per_wire_byte"])

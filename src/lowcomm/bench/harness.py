@@ -129,7 +129,7 @@ def run_bench(
     log: Callable[[str], None] | None = None,
     profiler: Callable[[BenchConfig], Any] | None = None,
     collective_probe: Callable[..., dict[str, Any]] | None = None,
-    contention_probe: Callable[[BenchConfig], float] | None = None,
+    contention_probe: Callable[[BenchConfig, netns.Cluster | None], float] | None = None,
 ) -> dict[str, Any]:
     """Run every method on every network; return the result dict (see DESIGN.md section 3).
 
@@ -194,16 +194,6 @@ def run_bench(
         except Exception as e:  # noqa: BLE001 - predictions are an extra; the bench still runs
             result["prediction"] = {"error": f"{type(e).__name__}: {e}"}
             say(f"  no predictions: {result['prediction']['error']}")
-    contention = 0.0
-    if profile is not None and result["compute"] == "real":
-        say("lowcomm bench: measuring the CPU gloo's threads take from compute (for the predictions) ...")
-        try:
-            contention = (contention_probe or gloo_contention)(cfg)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as e:  # noqa: BLE001 - predictions are an extra
-            say(f"  no contention term: {type(e).__name__}: {e}")
-        result["prediction"]["contention_s_per_wire_byte"] = contention
     for n_idx, spec in enumerate(cfg.nets):
         say(f"lowcomm bench: network {spec.label()}")
         try:
@@ -230,6 +220,18 @@ def run_bench(
                         info["collectives"] = {"error": f"{type(e).__name__}: {e}"}
                     if info["collectives"].get("error"):
                         say(f"  {info['collectives']['error']}; predictions use alpha = RTT/2")
+                contention = 0.0
+                if profile is not None and result["compute"] == "real":
+                    # measured on this network's links: the CPU a byte costs through the emulated
+                    # links (veth, bridge, shaping, TCP at the shaped rate) is 3x loopback's at
+                    # 1 Gbit/s and 40x at 100 Mbit/s here (docs/simulator.md 5.2)
+                    say("  measuring the CPU gloo's threads take from compute on this network ...")
+                    try:
+                        contention = (contention_probe or gloo_contention)(cfg, cluster)
+                    except (KeyboardInterrupt, SystemExit):
+                        raise
+                    except Exception as e:  # noqa: BLE001 - predictions are an extra
+                        say(f"  no contention term: {type(e).__name__}: {e}")
                 rows: list[dict[str, Any]] = []
                 order = list(methods)
                 # compute-only is measured on every network, right before its methods: on a shared

@@ -48,6 +48,8 @@ def merge_sparse_batched(
     total = sum(int(k) for k in ks)
     vals = torch.cat([v for v, _ in parts])
     idx = torch.cat([i for _, i in parts]).long()
+    if idx.numel() == 0:  # (no entries: nothing to merge)
+        return vals, idx.to(torch.int32)
     seg_of, k_of = _segments(ks, vals.device)
     seg = seg_of.repeat(len(parts))
     order = torch.argsort(idx, stable=True)
