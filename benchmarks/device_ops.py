@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 from typing import Any
@@ -33,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import MODELS, model_shapes  # noqa: E402
+from kernels import MODELS, model_shapes, write_outputs  # noqa: E402
 
 from lowcomm.compress.base import device_paths  # noqa: E402
 from lowcomm.compress.codec import CODECS, Layout, codec_class  # noqa: E402
@@ -131,14 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 rows.append(count(name, model, args.world))
                 print(f"  {model} {name}: {rows[-1]['step_ops']:g} ops, {rows[-1]['qr_calls']:g} QR", file=sys.stderr)
-    table = markdown(rows)
-    print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
+    write_outputs(args, markdown(rows), {"torch": torch.__version__, "rows": rows})
     return 0
 
 

@@ -251,15 +251,19 @@ def _run(args: argparse.Namespace, names: list[str], models: list[str], worlds: 
     print(f"copy {header['copy_bandwidth_GBps']:.2f} GB/s, matmul {header['matmul_GFLOPs']:.1f} GFLOP/s",
           file=sys.stderr, flush=True)
     rows = [r for m in models for r in measure(m, names, worlds, args.reps, bandwidth, flop_rate, device)]
-    table = markdown(rows, header)
+    write_outputs(args, markdown(rows, header), {**header, "target": TARGET, "rows": rows})
+    return 0
+
+
+def write_outputs(args: argparse.Namespace, table: str, payload: dict[str, Any]) -> None:
+    """Print the Markdown ``table``; write it to ``--markdown`` and ``payload`` to ``--json`` if given."""
     print(table)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({**header, "target": TARGET, "rows": rows}, fh, indent=1)
+            json.dump(payload, fh, indent=1)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(table)
-    return 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from lowcomm.compress.codec import CodecCost, Layout, Message, Work, register_codec
-from lowcomm.compress.feedback import finite_flag, keep_where_
+from lowcomm.compress.feedback import finite_flag, keep_where_, keep_where_all_
 from lowcomm.compress.lowrank import LowRankCodec, LowRankOptions, _cpu_true, _Step
 from lowcomm.compress.matrices import Plan, batched_mm, fused_step, orthogonalize_all, unflatten
 
@@ -127,7 +127,7 @@ class ACPSGDCodec(LowRankCodec):
                 mem = [st.mem[j].view(b.n, b.m) for j in b.members]
                 if isinstance(ms, torch.Tensor) and len(b.members) > 1:  # stacked: one product, one select
                     res = torch.baddbmm(ms, left, right.transpose(1, 2), alpha=-1.0)
-                    torch._foreach_copy_(mem, list(torch.where(finite, res, torch.stack(mem)).unbind(0)))
+                    keep_where_all_(mem, finite, res)
                     continue
                 for k in range(len(b.members)):
                     keep_where_(mem[k], finite, torch.addmm(ms[k], left[k], right[k].T, alpha=-1.0))

@@ -97,6 +97,15 @@ def orthogonalize_if(x: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
     return torch.where(finite, orthogonalize(safe), x)
 
 
+def keep_where_all_(dsts: list[torch.Tensor], finite: torch.Tensor, new: torch.Tensor,
+                    old: torch.Tensor | None = None) -> None:
+    """:func:`keep_where_` for same-shape tensors at once: ``dsts[k] <- new[k]`` (``new``
+    stacked) if ``finite``, else unchanged; ``old``: ``dsts`` already stacked (else stacked
+    here). One select and one multi-tensor copy, not two ops per tensor (device paths)."""
+    kept = torch.where(finite, new, torch.stack(dsts) if old is None else old)
+    torch._foreach_copy_(dsts, list(kept.unbind(0)))
+
+
 def warn_nonfinite(what: str) -> None:
     """The NaN policy's warning; issued once per skipped step by whoever reads the step's
     flag after backward (never from inside a hook: deciding to warn there needs a sync)."""

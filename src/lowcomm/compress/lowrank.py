@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
-from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, poison_
+from lowcomm.compress.feedback import ParamStore, finite_flag, keep_where_, keep_where_all_, poison_
 from lowcomm.compress.matrices import (
     STACK_MAX_NUMEL,
     Batch,
@@ -238,10 +238,10 @@ class LowRankCodec(Codec):
                 prod = torch.bmm(a, c.transpose(1, 2))
                 if memory is not None:
                     mem = [memory[j].view(b.n, b.m) for j in b.members]
-                    res = mats - prod
-                    if ok is not None:
-                        res = torch.where(ok, res, torch.stack(mem))
-                    torch._foreach_copy_(mem, list(res.unbind(0)))
+                    if ok is None:
+                        torch._foreach_copy_(mem, list((mats - prod).unbind(0)))
+                    else:
+                        keep_where_all_(mem, ok, mats - prod)
                 torch._foreach_copy_(targets, list(prod.unbind(0)))
                 continue
             for k, j in enumerate(b.members):
@@ -292,7 +292,7 @@ class LowRankCodec(Codec):
                 stacked = torch.stack(ums)
                 sent = (torch.bmm(torch.bmm(stacked, basis), basis.transpose(1, 2)) if right else
                         torch.bmm(basis, torch.bmm(basis.transpose(1, 2), stacked)))
-                torch._foreach_copy_(ums, list(torch.where(ok, stacked - sent, stacked).unbind(0)))
+                keep_where_all_(ums, ok, stacked - sent, old=stacked)
                 continue
             for k, j in enumerate(b.members):
                 um, f = views[st.plan.compressed[j]].view(b.n, b.m), basis[k]

@@ -96,9 +96,9 @@ def orthogonalize_all(xs: Sequence[torch.Tensor], finite: torch.Tensor | None = 
         pad[at : at + x.shape[0], : x.shape[1], : x.shape[2]].copy_(x)
         at += x.shape[0]
     if finite is None:
-        q = _gram_schmidt_twice(pad)
+        q = _gram_schmidt_twice_(pad)
     else:  # Gram-Schmidt on zeros where the input is not finite, then the input itself back
-        q = _gram_schmidt_twice(torch.where(finite, pad, torch.zeros((), dtype=pad.dtype, device=pad.device)))
+        q = _gram_schmidt_twice_(torch.where(finite, pad, torch.zeros((), dtype=pad.dtype, device=pad.device)))
         q = torch.where(finite, q, pad)
     out, at = [], 0
     for x in xs:
@@ -107,12 +107,11 @@ def orthogonalize_all(xs: Sequence[torch.Tensor], finite: torch.Tensor | None = 
     return out
 
 
-def _gram_schmidt_twice(a: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns of each ``(n, r)`` matrix of ``a`` (``(b, n, r)``, float32), column
+def _gram_schmidt_twice_(q: torch.Tensor) -> torch.Tensor:
+    """``q`` (``(b, n, r)``, float32) made orthonormal in place, each ``(n, r)`` matrix column
     by column, each projected off the earlier ones twice (classical Gram-Schmidt with
     re-orthogonalization), then normalized; dependent columns set to zero (see
-    :data:`DEPENDENT_RTOL`). Branch-free: no host reads."""
-    q = a.clone()
+    :data:`DEPENDENT_RTOL`). Branch-free: no host reads. Returns ``q``."""
     tiny = torch.finfo(q.dtype).tiny
     for k in range(q.shape[2]):
         col = q[:, :, k : k + 1]
