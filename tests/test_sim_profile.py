@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -99,3 +100,30 @@ def test_profiler_reports_layers_in_forward_order_with_shapes() -> None:
 def test_measured_costs_are_positive() -> None:
     c = measure_costs("cpu", n=1 << 16)
     assert all(v > 0 for v in vars(c).values())
+
+
+def test_profiler_times_codecs_on_the_models_own_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1 M-element synthetic buffer stays in cache where the model's gradients do not, so the
+    codecs are timed on the model's own shapes (its size and its tensors)."""
+    from lowcomm.sim import profiler
+
+    seen: list[tuple[int, list[list[int]]]] = []
+
+    def encode_s(cls: Any, x: torch.Tensor, layout: Any, *_: Any) -> float:
+        seen.append((x.numel(), [list(s) for s in layout.shapes]))
+        return 1e-3
+
+    monkeypatch.setattr(profiler, "_encode_s", encode_s)
+    monkeypatch.setattr(profiler, "_decode_s", lambda *a, **k: (1e-3, "all_reduce"))
+    monkeypatch.setattr(profiler, "measure_costs", lambda *a, **k: profiler.ComputeCosts())
+    model = nn.Sequential(nn.Conv1d(2, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6, 4))
+    x, y = torch.randn(4, 2, 8), torch.randint(0, 4, (4,))
+    prof = profile_model(model, lambda: (x, y), nn.functional.cross_entropy, model_name="c",
+                         batch_size=4, warmup=1, iters=2)
+    numel = sum(p.numel() for p in model.parameters())
+    assert seen and all(n == numel for n, _ in seen)
+    assert seen[0][1] == [[8, 2, 3], [8], [4, 48], [4]]
+    assert all(e["encode_s_per_elem"] == pytest.approx(1e-3 / numel) for e in prof.compressors.values())
+    seen.clear()
+    profiler.measure_compressors("cpu", n=1 << 12, reps=1)  # no shapes: the synthetic matrix and vector
+    assert seen[0][1] == [[1024, 3], [1024]]

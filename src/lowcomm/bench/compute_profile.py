@@ -71,7 +71,8 @@ def _emulated_file_profile(cfg: BenchConfig, path: str, text: str) -> Any:
         kwargs = models.kwargs_for_data(cfg.model, input_shape=shape) if shape else {}
         params = [p for p in models.create(cfg.model, **kwargs).parameters() if p.requires_grad]
         profile.optimizer_s = measure_optimizer_step(params)
-        profile.costs, profile.compressors = measure_costs("cpu"), measure_compressors("cpu")
+        profile.costs = measure_costs("cpu")
+        profile.compressors = measure_compressors("cpu", shapes=[list(p.shape) for p in params])
     finally:
         torch.set_num_threads(before)
     profile.notes = (profile.notes + "; " if profile.notes else "") + (

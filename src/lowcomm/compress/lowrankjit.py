@@ -3,8 +3,8 @@
 Why compiled: writing a rank-``r`` product ``P Qᵀ`` (``r`` = 1-32) is an outer-product sum
 whose cost is writing the ``n x m`` result; MKL's GEMM treats it as a general product with an
 inner dimension of ``r`` and writes it at about 7 GB/s on the 2-vCPU machine where the copy
-bandwidth is 40+ GB/s (issue 18: ACP-SGD's decode at 5-7x its memory bound). Here each output
-row is formed in L1 (``r`` passes over one row) and written once; Power-SGD's rebuild writes
+bandwidth is 40+ GB/s (issue 18: ACP-SGD's decode at 5-7x its memory bound). Here a chunk of output
+rows is formed in L1 (one pass per four terms, the partial sums in registers) and written once; Power-SGD's rebuild writes
 the residual ``M - P Qᵀ`` and the product from the same row. Results differ from MKL's only by
 float summation order (the ``r`` terms are added in order, without fused multiply-adds);
 numba is optional (:mod:`lowcomm.compress.native`).
@@ -16,50 +16,106 @@ import numba
 import numpy as np
 
 
+CHUNK_FLOATS = 8192  # rows formed at a time: up to 32 KiB of output, so the temporary stays in L1
+
+
 @numba.njit(inline="always", cache=True)
-def _row(a: np.ndarray, i: int, bt: np.ndarray, row: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``row <- a[i] @ bt``, the ``r`` terms added in order."""
-    ai = a[i, 0]
-    b = bt[0]
-    for j in range(row.shape[0]):
-        row[j] = ai * b[j]
-    for q in range(1, a.shape[1]):
-        ai = a[i, q]
-        b = bt[q]
-        for j in range(row.shape[0]):
-            row[j] += ai * b[j]
+def _terms(dst: np.ndarray, a: np.ndarray, bt: np.ndarray, q: int, add: bool) -> None:  # pragma: no cover
+    """``dst (+)= a[:, q:q+k] @ bt[q:q+k]`` for the next ``k <= 4`` terms in one pass: each
+    partial sum stays in a register and each element of ``dst`` is written once per four terms
+    (a pass per term wrote it ``r`` times: half the write speed). Terms added in order. The
+    branches sit outside the row loop and ``bt`` is indexed in two dimensions: a row slice per
+    term and row cost more than the pass itself on 512-wide rows."""
+    k = min(4, a.shape[1] - q)
+    n, m = dst.shape
+    if k == 1:
+        for i in range(n):
+            a0, row = a[i, q], dst[i]
+            if add:
+                for j in range(m):
+                    row[j] = row[j] + a0 * bt[q, j]
+            else:
+                for j in range(m):
+                    row[j] = a0 * bt[q, j]
+    elif k == 2:
+        for i in range(n):
+            a0, a1, row = a[i, q], a[i, q + 1], dst[i]
+            if add:
+                for j in range(m):
+                    row[j] = (row[j] + a0 * bt[q, j]) + a1 * bt[q + 1, j]
+            else:
+                for j in range(m):
+                    row[j] = a0 * bt[q, j] + a1 * bt[q + 1, j]
+    elif k == 3:
+        for i in range(n):
+            a0, a1, a2, row = a[i, q], a[i, q + 1], a[i, q + 2], dst[i]
+            if add:
+                for j in range(m):
+                    row[j] = ((row[j] + a0 * bt[q, j]) + a1 * bt[q + 1, j]) + a2 * bt[q + 2, j]
+            else:
+                for j in range(m):
+                    row[j] = (a0 * bt[q, j] + a1 * bt[q + 1, j]) + a2 * bt[q + 2, j]
+    elif add:
+        for i in range(n):
+            a0, a1, a2, a3, row = a[i, q], a[i, q + 1], a[i, q + 2], a[i, q + 3], dst[i]
+            for j in range(m):
+                row[j] = (((row[j] + a0 * bt[q, j]) + a1 * bt[q + 1, j]) + a2 * bt[q + 2, j]) + a3 * bt[q + 3, j]
+    else:
+        for i in range(n):
+            a0, a1, a2, a3, row = a[i, q], a[i, q + 1], a[i, q + 2], a[i, q + 3], dst[i]
+            for j in range(m):
+                row[j] = ((a0 * bt[q, j] + a1 * bt[q + 1, j]) + a2 * bt[q + 2, j]) + a3 * bt[q + 3, j]
+
+
+@numba.njit(inline="always", cache=True)
+def _product(dst: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
+    """``dst <- a @ bt`` for a chunk of rows small enough to stay in cache between passes."""
+    for q in range(0, a.shape[1], 4):
+        _terms(dst, a, bt, q, q > 0)
 
 
 @numba.njit(nogil=True, cache=True)
 def outer_into(out: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``out (n x m) <- a (n x r) @ bt (r x m)``, row by row."""
-    for i in range(out.shape[0]):
-        _row(a, i, bt, out[i])
+    """``out (n x m) <- a (n x r) @ bt (r x m)``, a chunk of rows at a time."""
+    h = max(1, CHUNK_FLOATS // max(1, out.shape[1]))
+    for i0 in range(0, out.shape[0], h):
+        i1 = min(out.shape[0], i0 + h)
+        _product(out[i0:i1], a[i0:i1], bt)
 
 
 @numba.njit(nogil=True, cache=True)
 def rebuild(target: np.ndarray, mat: np.ndarray, a: np.ndarray, bt: np.ndarray,
             residual: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``residual <- mat - a @ bt`` and ``target <- a @ bt``, row by row (``target`` may be
-    ``mat``: each row of ``mat`` is read before that row of ``target`` is written)."""
-    t = np.empty(target.shape[1], dtype=target.dtype)
-    for i in range(target.shape[0]):
-        _row(a, i, bt, t)
-        m, r, o = mat[i], residual[i], target[i]
-        for j in range(t.shape[0]):
-            r[j] = m[j] - t[j]
-            o[j] = t[j]
+    """``residual <- mat - a @ bt`` and ``target <- a @ bt``, a chunk of rows at a time
+    (``target`` may be ``mat``: each chunk of ``mat`` is read before it is overwritten)."""
+    n, m = target.shape
+    h = max(1, CHUNK_FLOATS // max(1, m))
+    t = np.empty((h, m), dtype=target.dtype)
+    for i0 in range(0, n, h):
+        i1 = min(n, i0 + h)
+        tc = t[: i1 - i0]
+        _product(tc, a[i0:i1], bt)
+        for i in range(i1 - i0):
+            mi, ri, oi, ti = mat[i0 + i], residual[i0 + i], target[i0 + i], tc[i]
+            for j in range(m):
+                ri[j] = mi[j] - ti[j]
+                oi[j] = ti[j]
 
 
 @numba.njit(nogil=True, cache=True)
 def sub_outer(x: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
-    """``x -= a @ bt`` row by row."""
-    t = np.empty(x.shape[1], dtype=x.dtype)
-    for i in range(x.shape[0]):
-        _row(a, i, bt, t)
-        xi = x[i]
-        for j in range(t.shape[0]):
-            xi[j] -= t[j]
+    """``x -= a @ bt``, a chunk of rows at a time."""
+    n, m = x.shape
+    h = max(1, CHUNK_FLOATS // max(1, m))
+    t = np.empty((h, m), dtype=x.dtype)
+    for i0 in range(0, n, h):
+        i1 = min(n, i0 + h)
+        tc = t[: i1 - i0]
+        _product(tc, a[i0:i1], bt)
+        for i in range(i1 - i0):
+            xi, ti = x[i0 + i], tc[i]
+            for j in range(m):
+                xi[j] -= ti[j]
 
 
 @numba.njit(inline="always", cache=True)
