@@ -69,3 +69,21 @@ def test_cli_poly_power_flag_reaches_the_config() -> None:
     add_train_arguments(p)
     cfg = config_from_args(p.parse_args(["--schedule", "poly", "--poly-power", "3"]))
     assert cfg.schedule == "poly" and cfg.poly_power == 3.0
+
+
+def test_advancing_after_an_update_made_without_optimizer_step_does_not_warn() -> None:
+    """DeAR and lee18 update through their own sharded steps: torch's "scheduler before
+    optimizer" warning would be a false alarm there; other warnings still pass."""
+    import warnings
+
+    from lowcomm.optim.schedules import advance
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        advance(sched)  # no opt.step() before it, as with a deferred update
+        warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)

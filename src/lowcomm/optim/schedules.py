@@ -11,6 +11,7 @@ replays exactly on resume and after a rebuild, since nothing depends on hidden c
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -104,3 +105,17 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(cfg, step, steps_per_epoch, total_steps) * extra(step)
     )
+
+
+def advance(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """``scheduler.step()`` after the method's update, without torch's "lr_scheduler.step()
+    before optimizer.step()" warning.
+
+    Why: torch counts calls of ``optimizer.step`` to detect a schedule stepped too early, but
+    DeAR and lee18 update through their own sharded steps (the hyperparameters recorded at
+    the step), so on the first step torch warns about an order the trainer never gets wrong:
+    it always calls the method's update first. Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before",
+                                category=UserWarning)
+        scheduler.step()

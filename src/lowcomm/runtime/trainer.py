@@ -29,7 +29,7 @@ from lowcomm.compress.feedback import warn_nonfinite
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import Method, MethodContext
 from lowcomm.optim.builders import apply_method_overrides, build_optimizer
-from lowcomm.optim.schedules import build_scheduler
+from lowcomm.optim.schedules import advance, build_scheduler
 from lowcomm.runtime import checkpoint, timing
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.runtime.distributed import init_distributed
@@ -277,7 +277,7 @@ class Trainer:
                 if self.scaler is not None:
                     self.scaler.update()
             # as with GradScaler, a skipped step still advances the LR schedule
-            self.scheduler.step()
+            advance(self.scheduler)
         self.step += 1
         return loss_value if loss_value is not None else float(loss.detach())
 
