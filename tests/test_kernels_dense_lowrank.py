@@ -187,3 +187,33 @@ def test_device_orthogonalization_zeroes_dependent_columns_and_passes_non_finite
         bad = [torch.full((1, 9, 2), float("nan")), torch.randn(2, 5, 2, generator=_gen(65))]
         out = orthogonalize_all(bad, torch.tensor(False))
         assert torch.isnan(out[0]).all() and torch.equal(out[1], bad[1])
+
+
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 5, 8, 11])
+@pytest.mark.parametrize("n,m", [(1, 1), (37, 5), (3, 9000), (600, 17)])
+def test_compiled_rank_r_products_equal_the_formulas_for_every_term_count_and_chunk(
+        r: int, n: int, m: int) -> None:
+    """The compiled ``a @ bt`` forms up to four terms per pass and a chunk of rows at a time:
+    every remainder of ``r`` by four, rows wider than a chunk (9000) and many rows per chunk
+    (17 wide) give the product, the rebuild (in place too) and the subtraction of the formulas."""
+    from kernels_testlib import require_compiled
+
+    jit = require_compiled("lowrankjit")
+    a = torch.randn(n, r, generator=_gen(40)).numpy()
+    bt = torch.randn(r, m, generator=_gen(41)).numpy()
+    mat = torch.randn(n, m, generator=_gen(42))
+    want = torch.from_numpy(a).double() @ torch.from_numpy(bt).double()
+    size = torch.from_numpy(a).double().abs() @ torch.from_numpy(bt).double().abs()  # what rounding scales with
+    tol = tolerance(torch.float32, ops=r + 1, cond=max(1.0, float(size.max() / want.abs().max())))
+    res = mat.double() - want
+    res_tol = tolerance(torch.float32, ops=r + 2, cond=max(1.0, float((size + mat.double().abs()).max() / res.abs().max())))
+    out = torch.empty(n, m)
+    jit.outer_into(out.numpy(), a, bt)
+    assert rel_err(out.double(), want) <= tol
+    target, residual = mat.clone(), torch.empty(n, m)
+    jit.rebuild(target.numpy(), target.numpy(), a, bt, residual.numpy())  # target aliases the matrix
+    assert rel_err(target.double(), want) <= tol
+    assert rel_err(residual.double(), res) <= res_tol
+    x = mat.clone()
+    jit.sub_outer(x.numpy(), a, bt)
+    assert rel_err(x.double(), res) <= res_tol
