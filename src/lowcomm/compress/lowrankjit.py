@@ -74,10 +74,16 @@ def _product(dst: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma:
         _terms(dst, a, bt, q, q > 0)
 
 
+@numba.njit(inline="always", cache=True)
+def _chunk_rows(m: int) -> int:  # pragma: no cover - compiled
+    """Rows of width ``m`` formed at a time: :data:`CHUNK_FLOATS` elements, at least one row."""
+    return max(1, CHUNK_FLOATS // max(1, m))
+
+
 @numba.njit(nogil=True, cache=True)
 def outer_into(out: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
     """``out (n x m) <- a (n x r) @ bt (r x m)``, a chunk of rows at a time."""
-    h = max(1, CHUNK_FLOATS // max(1, out.shape[1]))
+    h = _chunk_rows(out.shape[1])
     for i0 in range(0, out.shape[0], h):
         i1 = min(out.shape[0], i0 + h)
         _product(out[i0:i1], a[i0:i1], bt)
@@ -89,7 +95,7 @@ def rebuild(target: np.ndarray, mat: np.ndarray, a: np.ndarray, bt: np.ndarray,
     """``residual <- mat - a @ bt`` and ``target <- a @ bt``, a chunk of rows at a time
     (``target`` may be ``mat``: each chunk of ``mat`` is read before it is overwritten)."""
     n, m = target.shape
-    h = max(1, CHUNK_FLOATS // max(1, m))
+    h = _chunk_rows(m)
     t = np.empty((h, m), dtype=target.dtype)
     for i0 in range(0, n, h):
         i1 = min(n, i0 + h)
@@ -106,7 +112,7 @@ def rebuild(target: np.ndarray, mat: np.ndarray, a: np.ndarray, bt: np.ndarray,
 def sub_outer(x: np.ndarray, a: np.ndarray, bt: np.ndarray) -> None:  # pragma: no cover - compiled
     """``x -= a @ bt``, a chunk of rows at a time."""
     n, m = x.shape
-    h = max(1, CHUNK_FLOATS // max(1, m))
+    h = _chunk_rows(m)
     t = np.empty((h, m), dtype=x.dtype)
     for i0 in range(0, n, h):
         i1 = min(n, i0 + h)
