@@ -8,7 +8,8 @@ would be, this times with ``torch.set_num_threads(1)``:
   the codec as ``lowcomm train`` runs it: velocity, error feedback, momentum, packing);
 * ``decode``: what it does with the collective's result at P = 4 and 16 workers (the
   remaining rounds' ``advance`` and ``decode``; the P workers' payloads are made locally,
-  no process group: as :func:`lowcomm.sim.profiler.measure_compressors` does);
+  no process group: as :func:`lowcomm.sim.profiler.measure_compressors` does), written into
+  the buffer it encoded, as the DDP hook and the engine write it;
 * ``feedback``: the state's share of ``encode``: the encode minus the same codec's encode
   without state (error feedback and velocity off, Signum's momentum replaced by the plain
   payload), a difference of two medians.
@@ -115,7 +116,7 @@ def time_encode(codec: Codec, x: torch.Tensor, layout: Layout, finite: torch.Ten
 def time_decode(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.Tensor, world: int,
                 reps: int, offset: int = 0) -> float:
     codec = primed(cls(world=world).as_trained(), x, layout, finite, world, offset)
-    buf, out = torch.empty_like(x), torch.empty_like(x)
+    buf = torch.empty_like(x)
     state: dict[str, Message] = {}
 
     def setup() -> None:
@@ -135,7 +136,7 @@ def time_decode(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch
         rec = received(msg, world)
         _sync()
         t0 = time.perf_counter()
-        codec.decode(msg, rec, out)
+        codec.decode(msg, rec, buf)  # into the buffer it encoded, as the DDP hook and the engine do
         _sync()
         return spent + time.perf_counter() - t0
     return timed(run, setup, reps)

@@ -218,18 +218,18 @@ def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.T
     """Median seconds of one decode at ``world`` workers in the steady state (averaged over
     the codec's step kinds), and the final collective."""
     codec = cls(world=world).as_trained()
-    out = torch.empty_like(x)
     times, collective = [], "none"
     for offset in step_offsets(codec):
         primed(codec, x, layout, finite, world, offset)
         samples = []
         for _ in range(reps + 1):
-            msg = final_message(codec, x.clone(), layout, finite, world)  # untimed: decode consumes it
+            buf = x.clone()
+            msg = final_message(codec, buf, layout, finite, world)  # untimed: decode consumes it
             rec = received(msg, world)
             collective = msg.collective
             _sync(device)
             t0 = time.perf_counter()
-            codec.decode(msg, rec, out)
+            codec.decode(msg, rec, buf)  # into the buffer it encoded, as the DDP hook and the engine do
             _sync(device)
             samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples[1:]))
