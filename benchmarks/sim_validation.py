@@ -135,16 +135,14 @@ def main() -> None:
     ap.add_argument("--raw", action="store_true", help="no calibration: alpha = RTT/2, profile compute as measured")
     args = ap.parse_args()
     if args.repredict:
-        # recompute the predictions of recorded runs with the current simulator, using the
-        # profile each bench saved (profile_path), and write the updated JSONs
-        from lowcomm.bench.prediction import add_predictions
+        # recompute the predictions (and schedule bounds) of recorded runs with the current
+        # simulator, using the profile each bench saved (profile_path), and write the updated
+        # JSONs (benchmarks/repredict.py: the same recomputation, as a comparison table)
+        from repredict import refill
 
         for b in args.bench:
             bench = json.loads(Path(b).read_text())
-            prof = Profile.load(args.profile or bench["prediction"]["profile_path"])
-            for n in bench.get("networks") or [bench["network"]]:
-                runs = [r for r in bench["runs"] if r.get("net") == n["requested"]]
-                n["prediction"] = add_predictions(runs, prof, n, workers=bench["world_size"])
+            refill(bench, Profile.load(args.profile or bench["prediction"]["profile_path"]))
             out = Path(args.repredict) / Path(b).name
             out.write_text(json.dumps(bench, indent=2) + "\n")
             print(f"wrote {out}")

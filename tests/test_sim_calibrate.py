@@ -8,7 +8,7 @@ import pytest
 
 from lowcomm.comm.accounting import wire_bytes
 from lowcomm.sim import LayerProfile, NetworkModel, Profile, predict_iteration_time
-from lowcomm.sim.calibrate import (calibrate_compute, core_share, fit_collectives, latency_steps,
+from lowcomm.sim.calibrate import (calibrate_compute, calibrate_phases, core_share, fit_collectives, latency_steps,
                                    network_from_probe, queued_alpha, scale_compression, scale_profile)
 from lowcomm.sim.profile import ComputeCosts
 
@@ -119,6 +119,40 @@ def test_calibrated_compute_predicts_the_measured_nocomm_time() -> None:
     # communication is not scaled: ssgd's extra over nocomm is the network model's all-reduce
     ssgd = predict_iteration_time(scaled, "ssgd", workers=P, network=net).iter_time_s
     assert ssgd > 0.33
+
+
+def test_phase_calibration_gives_each_phase_its_measured_share_and_the_rest_to_the_optimizer() -> None:
+    net = fitted()
+    # a nocomm run whose host-side update is slow (four workers on two cores): one factor would
+    # spread its 0.12 s over the layers; per phase, forward and backward keep their own times
+    breakdown = {"data": 0.0, "forward": 0.06, "backward": 0.14, "comm_wait": 0.02, "compress": 0.0, "optimizer": 0.12}
+    measured = 0.34 * 1.5  # the reference (a mean of runs) is 1.5x the run the breakdown came from
+    prof = profile()
+    prof.factorized = profile()
+    scaled, factor = calibrate_phases(prof, measured, breakdown, workers=P, network=net)
+    assert factor == pytest.approx(measured / prof.compute_s)
+    assert predict_iteration_time(scaled, "nocomm", workers=P, network=net).iter_time_s == pytest.approx(measured)
+    assert scaled.forward_s == pytest.approx(0.06 * 1.5)
+    assert scaled.backward_s == pytest.approx(0.14 * 1.5)
+    assert scaled.optimizer_s == pytest.approx((0.02 + 0.12) * 1.5)
+    # each layer keeps its share of its phase; compression kernels scale by the overall factor
+    assert scaled.layers[0].forward_s / scaled.layers[1].forward_s == pytest.approx(2.0)
+    assert scaled.costs.topk_s_per_elem == pytest.approx(2e-9 * factor)
+    assert scaled.factorized is not None
+    assert scaled.factorized.backward_s == pytest.approx(0.14 * 1.5)
+    # the single-factor calibration matches the total but moves the update into the layers
+    single, _ = calibrate_compute(prof, measured, workers=P, network=net)
+    assert single.backward_s > scaled.backward_s * 1.2
+
+
+@pytest.mark.parametrize("breakdown", [{}, {"forward": 0.0, "backward": 0.1}, {"optimizer": 0.3}])
+def test_phase_calibration_without_forward_and_backward_times_is_the_single_factor(breakdown: dict) -> None:
+    net = fitted()
+    a, fa = calibrate_phases(profile(), 0.33, breakdown, workers=P, network=net)
+    b, fb = calibrate_compute(profile(), 0.33, workers=P, network=net)
+    assert fa == pytest.approx(fb)
+    assert [lay.backward_s for lay in a.layers] == pytest.approx([lay.backward_s for lay in b.layers])
+    assert a.optimizer_s == pytest.approx(b.optimizer_s)
 
 
 # -- collectives queued behind another -----------------------------------------------------

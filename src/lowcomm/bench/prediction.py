@@ -7,7 +7,9 @@ thread count, batch size and input shape (:func:`measure`). Per network:
   fitted from the collective probe (:mod:`lowcomm.bench.collprobe`) when it ran, else
   α = RTT/2 (:func:`lowcomm.sim.calibrate.network_from_probe`);
 * the **compute** of the profile is scaled so that the predicted ``nocomm`` iteration equals
-  the measured ``nocomm`` time on that network (:func:`lowcomm.sim.calibrate.calibrate_compute`):
+  the measured ``nocomm`` time on that network, each phase to its own measured share
+  (:func:`lowcomm.sim.calibrate.calibrate_phases`; one factor for all when the row has no
+  breakdown, :func:`lowcomm.sim.calibrate.calibrate_compute`):
   N workers sharing the machine's cores compute slower than one quiet profiling process,
   and the ``nocomm`` run measures exactly that slow-down. The bench runs ``nocomm`` before and
   after the other methods; the calibration uses the mean of the two (the load the methods
@@ -102,7 +104,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     emulated compute (with real compute the ``nocomm`` calibration already carries it).
     """
     from lowcomm.sim import predict_iteration_time
-    from lowcomm.sim.calibrate import calibrate_compute, scale_compression
+    from lowcomm.sim.calibrate import calibrate_compute, calibrate_phases, scale_compression
 
     net = network_model(info, workers, nproc_per_node)
     used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None,
@@ -114,7 +116,9 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
         # (the lower bound takes the faster run; a prediction wants the typical one)
         runs = nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]]
         reference = sum(runs) / len(runs)
-        prof, factor = calibrate_compute(profile, reference, workers=workers, network=net)
+        phases = nocomm.get("breakdown_s")
+        prof, factor = (calibrate_phases(profile, reference, phases, workers=workers, network=net) if phases
+                        else calibrate_compute(profile, reference, workers=workers, network=net))
         used["compute_scale"] = factor
         used["nocomm_reference_s"] = reference
     else:

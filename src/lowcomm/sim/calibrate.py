@@ -209,6 +209,51 @@ def calibrate_compute(profile: Profile, measured_nocomm_s: float, *, workers: in
     return scale_profile(profile, factor), factor
 
 
+def calibrate_phases(profile: Profile, measured_nocomm_s: float, breakdown: Mapping[str, float], *,
+                     workers: int, network: NetworkModel) -> tuple[Profile, float]:
+    """Like :func:`calibrate_compute`, but each phase matched to its own share of the
+    measured ``nocomm`` iteration: the layers' forward times to its ``forward``, backward to
+    its ``backward``, and the optimizer to the rest (the host-side update, data loading and
+    the per-iteration synchronization). Compression costs are scaled by the overall factor,
+    as :func:`calibrate_compute` scales them. Falls back to that function when the breakdown
+    has no forward or backward time. Returns ``(profile, overall factor)``.
+
+    Why: a single factor spreads the host-side update (on four workers sharing two cores,
+    2-3x its one-process time) over the layers, in proportion to their times. A schedule that
+    overlaps communication with one phase and not another then gets the wrong overlap: DeAR's
+    update runs beside the all-gathers before each forward, so a profile that moved it into
+    backward predicted 0.17 s of exposed all-gathers where 0.14 s were measured, and put
+    DeAR's own bound above its measured time (docs/simulator.md, section 5.3)."""
+    fwd, bwd = float(breakdown.get("forward") or 0.0), float(breakdown.get("backward") or 0.0)
+    total = sum(float(v) for v in breakdown.values() if isinstance(v, (int, float)))
+    if fwd <= 0 or bwd <= 0 or total <= 0 or profile.forward_s <= 0 or profile.backward_s <= 0:
+        return calibrate_compute(profile, measured_nocomm_s, workers=workers, network=network)
+    share = measured_nocomm_s / total  # the breakdown of one run, the reference a mean of runs
+    factor = measured_nocomm_s / profile.compute_s if profile.compute_s > 0 else 1.0
+    out = copy.deepcopy(profile)
+    _scale_phases(out, fwd * share / profile.forward_s, bwd * share / profile.backward_s, factor)
+    out.optimizer_s = max(0.0, measured_nocomm_s - out.forward_s - out.backward_s)
+    from lowcomm.sim.predict import predict_iteration_time
+
+    predicted = predict_iteration_time(out, "nocomm", workers=workers, network=network).iter_time_s
+    out.optimizer_s = max(0.0, out.optimizer_s + measured_nocomm_s - predicted)  # the schedule's own sync
+    note = "compute calibrated per phase (forward, backward, the rest) to the measured nocomm run"
+    out.notes = f"{out.notes}; {note}" if out.notes else note
+    return out, factor
+
+
+def _scale_phases(profile: Profile, forward: float, backward: float, factor: float) -> None:
+    """Multiply the layers' forward and backward times, and the optimizer and compression costs
+    (by ``factor``), in place; the factorized model's likewise."""
+    for layer in profile.layers:
+        layer.forward_s *= forward
+        layer.backward_s *= backward
+    profile.optimizer_s *= factor
+    _scale_costs(profile, factor)
+    if profile.factorized is not None:
+        _scale_phases(profile.factorized, forward, backward, factor)
+
+
 # -- contention: the collective library's threads take CPU from compute ---------------------
 def fit_contention(*, alone_iters: int, alone_s: float, with_iters: int, with_s: float,
                    wire_bytes_moved: float) -> float:
@@ -285,5 +330,5 @@ def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threa
     return out
 
 
-__all__ = ["KINDS", "calibrate_compute", "fit_collectives", "fit_contention", "latency_steps",
+__all__ = ["KINDS", "calibrate_compute", "calibrate_phases", "fit_collectives", "fit_contention", "latency_steps",
            "network_from_probe", "probe_wire_bytes", "scale_profile"]
