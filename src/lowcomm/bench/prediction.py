@@ -104,7 +104,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     emulated compute (with real compute the ``nocomm`` calibration already carries it).
     """
     from lowcomm.sim import predict_iteration_time
-    from lowcomm.sim.calibrate import calibrate_compute, calibrate_phases, scale_compression
+    from lowcomm.sim.calibrate import calibrate_phases, scale_compression
 
     net = network_model(info, workers, nproc_per_node)
     used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None,
@@ -116,9 +116,8 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
         # (the lower bound takes the faster run; a prediction wants the typical one)
         runs = nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]]
         reference = sum(runs) / len(runs)
-        phases = nocomm.get("breakdown_s")
-        prof, factor = (calibrate_phases(profile, reference, phases, workers=workers, network=net) if phases
-                        else calibrate_compute(profile, reference, workers=workers, network=net))
+        prof, factor = calibrate_phases(profile, reference, nocomm.get("breakdown_s") or {},
+                                         workers=workers, network=net)
         used["compute_scale"] = factor
         used["nocomm_reference_s"] = reference
     else:

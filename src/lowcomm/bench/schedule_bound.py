@@ -63,7 +63,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
     method (PyTorch's reference hooks) or the run had no ``nocomm`` reference.
     """
     from lowcomm.sim import predict_iteration_time
-    from lowcomm.sim.calibrate import calibrate_compute, calibrate_phases, scale_compression, scale_profile
+    from lowcomm.sim.calibrate import calibrate_phases, scale_compression, scale_profile
 
     net = ideal_network(info, nproc_per_node, workers)
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
@@ -74,9 +74,8 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
             r["schedule_bound_note"] = "no nocomm run to take the compute from"
         return used
     reference = min(nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]])
-    phases = nocomm.get("breakdown_s")
-    prof, factor = (calibrate_phases(profile, reference, phases, workers=workers, network=net) if phases
-                    else calibrate_compute(profile, reference, workers=workers, network=net))
+    prof, factor = calibrate_phases(profile, reference, nocomm.get("breakdown_s") or {},
+                                     workers=workers, network=net)
     used.update(compute_scale=factor, nocomm_reference_s=reference)
     measured = {r["method"]: r["iter_time_s_median"] for r in rows if r.get("status") == "ok"}
     profiles: dict[str, Any] = {"nocomm": scale_compression(prof, 0.0)}

@@ -223,7 +223,7 @@ def calibrate_phases(profile: Profile, measured_nocomm_s: float, breakdown: Mapp
     overlaps communication with one phase and not another then gets the wrong overlap: DeAR's
     update runs beside the all-gathers before each forward, so a profile that moved it into
     backward predicted 0.17 s of exposed all-gathers where 0.14 s were measured, and put
-    DeAR's own bound above its measured time (docs/simulator.md, section 5.3)."""
+    DeAR's own bound above its measured time (docs/simulator.md, section 5, step 3)."""
     fwd, bwd = float(breakdown.get("forward") or 0.0), float(breakdown.get("backward") or 0.0)
     total = sum(float(v) for v in breakdown.values() if isinstance(v, (int, float)))
     if fwd <= 0 or bwd <= 0 or total <= 0 or profile.forward_s <= 0 or profile.backward_s <= 0:
