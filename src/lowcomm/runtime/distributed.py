@@ -106,7 +106,20 @@ def join_world(device: str = "auto") -> Joined:
             world_size=world,
             timeout=timedelta(seconds=float(os.environ.get("LOWCOMM_DIST_TIMEOUT_S", 300))),
         )
+    if owns and not use_cuda and local == 0:
+        _notice_shared_cores()
     return Joined(rank, world, local, dev, owns)
+
+
+def _notice_shared_cores() -> None:
+    """Print :func:`lowcomm.runtime.cpu_sessions.autogroup_notice` when it applies."""
+    import sys
+
+    from lowcomm.runtime.cpu_sessions import autogroup_notice, usable_cpus
+
+    text = autogroup_notice(os.environ, threads=torch.get_num_threads(), cpus=usable_cpus())
+    if text:
+        print(text, file=sys.stderr, flush=True)
 
 
 def init_distributed(cfg: TrainConfig) -> Dist:
