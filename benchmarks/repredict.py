@@ -22,17 +22,20 @@ from typing import Any
 
 def refill(run: dict[str, Any], prof: Any) -> None:
     """Recompute every network's prediction and schedule-bound keys of ``run`` in place, as
-    the bench computes them (same network dict, worker count, contention and core share)."""
+    the bench computes them (same network dict and worker count; the contention and core share
+    the run recorded)."""
     from lowcomm.bench import prediction, schedule_bound
     from lowcomm.sim.calibrate import core_share
 
     workers = int(run["world_size"])
     per_node = int(run.get("nproc_per_node") or 1)
-    share = core_share(workers=workers, threads_per_worker=int(run.get("threads_per_worker") or 1),
-                       cpus=os.cpu_count() or 1)
+    here = core_share(workers=workers, threads_per_worker=int(run.get("threads_per_worker") or 1),
+                      cpus=os.cpu_count() or 1)  # for runs recorded before the share was
     for net in run.get("networks") or [run["network"]]:
         rows = [r for r in run["runs"] if r.get("net") == net["requested"] and r.get("status") == "ok"]
-        contention = (net.get("prediction") or {}).get("contention_s_per_wire_byte") or 0.0
+        recorded = net.get("prediction") or {}  # the run's own contention and core share
+        contention = recorded.get("contention_s_per_wire_byte") or 0.0
+        share = recorded.get("emulated_compression_share") or here
         net["prediction"] = prediction.add_predictions(rows, prof, net, workers=workers, nproc_per_node=per_node,
                                                        contention_s_per_byte=contention, cpu_share=share)
         if any("lower_bound_s" in r for r in rows):  # bounds only where the bench derived them

@@ -148,15 +148,11 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
     if factor <= 0 or not math.isfinite(factor):
         raise ValueError(f"scale factor must be a positive number, got {factor}")
     out = copy.deepcopy(profile)
-    for layer in out.layers:
-        layer.forward_s *= factor
-        layer.backward_s *= factor
-    out.optimizer_s *= factor
-    _scale_costs(out, factor)
-    if out.factorized is not None:
-        out.factorized = scale_profile(out.factorized, factor)
+    _scale_phases(out, factor, factor, factor)
     note = f"compute scaled x{factor:.3g} to match the measured nocomm run"
-    out.notes = f"{out.notes}; {note}" if out.notes else note
+    for prof in (out, out.factorized):
+        if prof is not None:
+            prof.notes = f"{prof.notes}; {note}" if prof.notes else note
     return out
 
 
@@ -232,11 +228,11 @@ def calibrate_phases(profile: Profile, measured_nocomm_s: float, breakdown: Mapp
     factor = measured_nocomm_s / profile.compute_s if profile.compute_s > 0 else 1.0
     out = copy.deepcopy(profile)
     _scale_phases(out, fwd * share / profile.forward_s, bwd * share / profile.backward_s, factor)
-    out.optimizer_s = max(0.0, measured_nocomm_s - out.forward_s - out.backward_s)
     from lowcomm.sim.predict import predict_iteration_time
 
+    out.optimizer_s = 0.0  # the rest: what nocomm takes beyond the layers (and the schedule's own sync)
     predicted = predict_iteration_time(out, "nocomm", workers=workers, network=network).iter_time_s
-    out.optimizer_s = max(0.0, out.optimizer_s + measured_nocomm_s - predicted)  # the schedule's own sync
+    out.optimizer_s = max(0.0, measured_nocomm_s - predicted)
     note = "compute calibrated per phase (forward, backward, the rest) to the measured nocomm run"
     out.notes = f"{out.notes}; {note}" if out.notes else note
     return out, factor
