@@ -113,17 +113,34 @@ class Pair:
         return rel_err(_params(self.eng), _params(self.ref))
 
 
-def _against_ddp(opt_kind: str, steps: int) -> dict[str, Any]:
+def _against_ddp(opt_kind: str, steps: int, spec: str = "lee18:update=layer") -> dict[str, Any]:
     torch.manual_seed(100 + dist.get_rank())  # rank 0's weights must win the initial broadcast
-    pair = Pair("lee18:update=layer", opt_kind, tiny_model())
+    pair = Pair(spec, opt_kind, tiny_model())
     rows = [pair.step(s) for s in range(steps)]
     return {
         "errs": [r["err"] for r in rows] + [pair.final_err()],
         "in_backward": [r["in_backward"] for r in rows],
         "after_sync": [r["after_sync"] for r in rows],
         "groups": len(pair.method.engine.groups),
+        "units": len(pair.method.engine.units),
         "layer_steps": pair.method.engine.layer.layer_steps,
     }
+
+
+def test_fused_groups_update_per_group_and_still_match_ddp() -> None:
+    """``threshold_mb``: layers fused into fewer groups (fewer collectives), each group's
+    shard stepped as its exchange arrives; the weights stay DDP's."""
+    steps = 4
+    spec = "lee18:update=layer,threshold_mb=0.0004"  # about 420 bytes: a few layers per group
+    for r in run_distributed(_against_ddp, 2, "adamw", steps, spec, timeout=120):
+        assert max(r["errs"]) <= schedule_tolerance(2, steps), r["errs"]
+        assert 2 <= r["groups"] < r["units"], r
+        assert r["after_sync"] == [0] + [r["groups"]] * (steps - 1)
+
+
+def test_a_negative_fusion_threshold_is_refused_naming_the_option() -> None:
+    with pytest.raises(UsageError, match="lee18: threshold_mb must be"):
+        methods.create("lee18:threshold_mb=-1")
 
 
 @pytest.mark.parametrize("world", [2, 4])

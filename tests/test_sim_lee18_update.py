@@ -124,3 +124,15 @@ def test_a_summed_codec_decodes_each_groups_slice_before_its_update() -> None:
     )  # as update=step
     for g, d in enumerate(decodes):
         assert tl.find(f"upd.g{g}", 3).start >= d.end
+
+
+def test_a_fusion_threshold_fuses_layers_into_fewer_exchanges_and_saves_their_latency() -> None:
+    # eight 16 KiB layers on a 1 ms-latency link: one group per layer pays eight latencies of
+    # each collective, a 1 MiB threshold one
+    prof = conv_profile([[64, 64]] * 8, 1e-4, 2e-4, 1e-4)
+    per_layer = predict_iteration_time(prof, "lee18", workers=4, network=SLOW)
+    fused = predict_iteration_time(prof, "lee18:threshold_mb=1", workers=4, network=SLOW)
+    exchanges = [t for t in fused.timeline.of_iteration(2) if t.name.startswith("rs.")]
+    assert len(exchanges) == 1
+    assert len([t for t in per_layer.timeline.of_iteration(2) if t.name.startswith("rs.")]) == 8
+    assert fused.iter_time_s < per_layer.iter_time_s - 5e-3

@@ -32,8 +32,8 @@ from lowcomm.sched.engine import Engine, Mode
 from lowcomm.sched.module import ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
 from lowcomm.parallel.lee18_fc import Lee18FCFields, ModelParallelFC
-from lowcomm.sched.options import EngineFields, chosen_codec, describe_options, with_codec_options
-from lowcomm.sched.tune import MB, ThresholdTuner, agree, agree_float, check_bayes_opt, control_device, window_time
+from lowcomm.sched.options import DeAROptions, EngineFields, chosen_codec, describe_options, with_codec_options
+from lowcomm.sched.tune import MB, ThresholdTuner, agree, agree_float, control_device, window_time
 
 
 class EngineMethod(Method):
@@ -275,32 +275,6 @@ class MGWFBP(EngineMethod):
 
 
 # --------------------------------------------------------------------------------------------
-@dataclass
-class DeAROptions(EngineFields):
-    """dear: fusion threshold (optionally tuned by Bayesian optimization) and its search range."""
-
-    threshold_mb: float = 25.0  # fusion buffer size; 0 = one group per layer
-    tune: bool = False  # Bayesian optimization of threshold_mb (DeAR section V)
-    tune_trials: int = 10
-    tune_iters: int = 5  # measured iterations per trial (one more is discarded)
-    tune_min_mb: float = 1.0
-    tune_max_mb: float = 256.0
-    seed: int = 0  # tuner (and the codec's seed, when it has one)
-
-    def __post_init__(self) -> None:
-        check_positive("dear: threshold_mb", self.threshold_mb, allow_zero=True)
-        if self.tune_trials < 1 or self.tune_iters < 1:
-            raise UsageError("dear: tune_trials and tune_iters must be >= 1")
-        check_positive("dear: tune_min_mb", self.tune_min_mb)
-        check_positive("dear: tune_max_mb", self.tune_max_mb)
-        if self.tune_max_mb < self.tune_min_mb:
-            raise UsageError(
-                f"dear: tune_max_mb ({self.tune_max_mb}) must be >= tune_min_mb ({self.tune_min_mb})"
-            )
-        if self.tune:
-            check_bayes_opt()  # an optional package: refused here, in one line, not at step 1
-
-
 @register
 class DeAR(EngineMethod):
     """Reduce-scatter in backward, all-gathers a window ahead of the next forward."""
@@ -390,8 +364,11 @@ class Lee18(ModelParallelFC, EngineMethod):
     Options = with_codec_options(name, mode, Lee18FCFields)
 
     def setup(self, engine: Engine) -> None:
-        """``update=layer``: step each group's shard as its reduce-scatter completes."""
+        """``update=layer``: step each group's shard as its reduce-scatter completes;
+        ``threshold_mb``: fuse layers into groups of that size."""
         engine.layer.requested = self.options.update == "layer"
+        if self.options.threshold_mb > 0:  # fused groups instead of the paper's one per layer
+            engine.set_grouping(fuse_by_threshold(engine.units, self.options.threshold_mb * MB))
 
     def describe(self) -> dict[str, Any]:
         """Adds why ``update=layer`` ran the end-of-step update instead, if it did."""

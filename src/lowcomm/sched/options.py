@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from lowcomm.compress.codec import CODECS, Codec, codec_class
-from lowcomm.errors import UsageError
+from lowcomm.errors import UsageError, check_positive
 from lowcomm.sched.pairing import Mode, mode_refusal
+from lowcomm.sched.tune import check_bayes_opt
 
 
 class _Unset:
@@ -61,11 +62,39 @@ class Lee18Fields(EngineFields):
     automatic fallbacks); ``update=step`` steps every shard in the optimizer step."""
 
     update: str = "layer"
+    threshold_mb: float = 0.0  # 0: one group per layer (the paper); > 0: fused groups of that size
 
     def __post_init__(self) -> None:
         self.update = str(self.update).strip().lower()
         if self.update not in LEE18_UPDATES:
             raise UsageError(f"lee18: update={self.update!r} is not valid; valid: {', '.join(LEE18_UPDATES)}")
+        check_positive("lee18: threshold_mb", self.threshold_mb, allow_zero=True)
+
+
+@dataclass
+class DeAROptions(EngineFields):
+    """dear: fusion threshold (optionally tuned by Bayesian optimization) and its search range."""
+
+    threshold_mb: float = 25.0  # fusion buffer size; 0 = one group per layer
+    tune: bool = False  # Bayesian optimization of threshold_mb (DeAR section V)
+    tune_trials: int = 10
+    tune_iters: int = 5  # measured iterations per trial (one more is discarded)
+    tune_min_mb: float = 1.0
+    tune_max_mb: float = 256.0
+    seed: int = 0  # tuner (and the codec's seed, when it has one)
+
+    def __post_init__(self) -> None:
+        check_positive("dear: threshold_mb", self.threshold_mb, allow_zero=True)
+        if self.tune_trials < 1 or self.tune_iters < 1:
+            raise UsageError("dear: tune_trials and tune_iters must be >= 1")
+        check_positive("dear: tune_min_mb", self.tune_min_mb)
+        check_positive("dear: tune_max_mb", self.tune_max_mb)
+        if self.tune_max_mb < self.tune_min_mb:
+            raise UsageError(
+                f"dear: tune_max_mb ({self.tune_max_mb}) must be >= tune_min_mb ({self.tune_min_mb})"
+            )
+        if self.tune:
+            check_bayes_opt()  # an optional package: refused here, in one line, not at step 1
 
 
 def _codec_fields() -> dict[str, dataclasses.Field[Any]]:

@@ -312,6 +312,7 @@ class Lee18Options:
     """The options the simulator reads when the method registry has no ``lee18``."""
 
     update: str = "layer"
+    threshold_mb: float = 0.0
 
 
 class Lee18(_ShardedSchedule):
@@ -343,8 +344,9 @@ class Lee18(_ShardedSchedule):
         self.updated: list[int] = []
 
     def group_plan(self, sim: Sim) -> list[list[int]]:
-        """One group per layer with parameters."""
-        return [[i] for i, layer in enumerate(sim.profile.layers) if layer.numel > 0]
+        """One group per layer with parameters (``threshold_mb=0``, the paper), or layers
+        fused in forward order into groups of ``threshold_mb``."""
+        return forward_groups(sim, float(self.opt("threshold_mb", 0.0)) * MIB)
 
     def update_s(self, sim: Sim, g: int) -> float:
         """Seconds of group ``g``'s shard update: its share of ``optimizer_s / P``."""
