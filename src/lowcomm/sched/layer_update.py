@@ -27,7 +27,7 @@ their exchanges with it, so the step could end later than with ``update=step``. 
 only what has arrived never delays backward by more than the update work it moves into it,
 and the updates after backward overlap the exchanges still in flight, so the step is never
 slower than ``update=step`` by more than the snapshot copies below; comm-bound, every update
-but the last is hidden (:class:`lowcomm.sim.schedules.engine.Lee18` models this).
+but the last is hidden (:class:`lowcomm.sim.schedules.lee18.Lee18` models this).
 
 When it runs, and when it falls back to the end-of-step update instead (a warning, once per
 reason; exactness first):

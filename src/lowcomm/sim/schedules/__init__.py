@@ -31,7 +31,8 @@ from lowcomm.errors import UsageError
 from lowcomm.sim.schedules.base import MIB, Bucket, GradTensor, Schedule, Sim, ddp_buckets, layer_buckets
 from lowcomm.sim.schedules.codec import CodecPlan
 from lowcomm.sim.schedules.ddp import SSGD, BucketSchedule, CodecSchedule, NoComm, Pufferfish
-from lowcomm.sim.schedules.engine import MGWFBP, WFBP, DeAR, Lee18, forward_groups, mgwfbp_groups
+from lowcomm.sim.schedules.engine import MGWFBP, WFBP, DeAR, forward_groups, mgwfbp_groups
+from lowcomm.sim.schedules.lee18 import Lee18
 from lowcomm.sim.schedules.hier import Hier
 from lowcomm.sim.schedules.lee18_fc import Lee18FC
 from lowcomm.sim.schedules.localsgd import DiLoCoSchedule, LocalSGDSchedule, StreamingDiLoCoSchedule

@@ -29,7 +29,7 @@ from typing import Any
 from lowcomm.parallel.fc import choose_model_parallel
 from lowcomm.sim.profile import LayerProfile, Profile
 from lowcomm.sim.schedules.base import Sim
-from lowcomm.sim.schedules.engine import Lee18
+from lowcomm.sim.schedules.lee18 import Lee18
 from lowcomm.sim.timeline import Task
 
 
