@@ -35,9 +35,11 @@ def refill(run: dict[str, Any], prof: Any) -> None:
         rows = [r for r in run["runs"] if r.get("net") == net["requested"] and r.get("status") == "ok"]
         recorded = net.get("prediction") or {}  # the run's own contention and core share
         contention = recorded.get("contention_s_per_wire_byte") or 0.0
+        per_collective = recorded.get("contention_s_per_collective") or 0.0
         share = recorded.get("emulated_compression_share") or here
         net["prediction"] = prediction.add_predictions(rows, prof, net, workers=workers, nproc_per_node=per_node,
-                                                       contention_s_per_byte=contention, cpu_share=share)
+                                                       contention_s_per_byte=contention,
+                                                       contention_s_per_collective=per_collective, cpu_share=share)
         if any("lower_bound_s" in r for r in rows):  # bounds only where the bench derived them
             net["schedule_bound"] = schedule_bound.add_schedule_bounds(rows, prof, net, workers=workers,
                                                                        nproc_per_node=per_node)

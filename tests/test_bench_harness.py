@@ -304,9 +304,9 @@ def test_contention_is_measured_on_each_network_where_its_rows_run(tmp_path: Pat
                    layers=[LayerProfile("a", 0.01, 0.02, [[500, 1000]]), LayerProfile("b", 0.01, 0.01, [[1000]])])
     calls: list[Any] = []
 
-    def contention(cfg: harness.BenchConfig, cluster: Any) -> float:
+    def contention(cfg: harness.BenchConfig, cluster: Any) -> dict[str, float]:
         calls.append(cluster)
-        return 1e-9 * len(calls)
+        return {"cpu_s_per_wire_byte": 1e-9 * len(calls), "cpu_s_per_collective": 1e-3 * len(calls)}
 
     def probe(cfg: harness.BenchConfig, cluster: Any, bits: float, work: Path) -> dict[str, Any]:
         return {"workers": 2, "small_s": {"all_reduce": 2e-3}, "large": {"all_reduce": [4_000_000, 0.5]}}
@@ -318,3 +318,5 @@ def test_contention_is_measured_on_each_network_where_its_rows_run(tmp_path: Pat
     assert calls == [None, None]  # loopback: no cluster to measure on
     ks = [info["prediction"]["contention_s_per_wire_byte"] for info in result["networks"]]
     assert ks == [pytest.approx(1e-9), pytest.approx(2e-9)]
+    floors = [info["prediction"]["contention_s_per_collective"] for info in result["networks"]]
+    assert floors == [pytest.approx(1e-3), pytest.approx(2e-3)]

@@ -44,11 +44,33 @@ def test_simulator_charges_k_per_wire_byte_to_compute_and_nothing_without_it() -
 def test_contention_must_be_a_non_negative_number() -> None:
     with pytest.raises(UsageError):
         NetworkModel.preset("1gbit").with_contention(-1e-9)
+    with pytest.raises(UsageError, match="cpu_s_per_collective"):
+        NetworkModel.preset("1gbit").with_contention(1e-9, float("nan"))
     assert NetworkModel.preset("1gbit").with_contention(1e-9).describe()["cpu_s_per_wire_byte"] == 1e-9
+    assert NetworkModel.preset("1gbit").with_contention(1e-9, 2e-3).describe()["cpu_s_per_collective"] == 2e-3
+
+
+def test_a_collective_costs_at_least_the_per_collective_floor_and_large_ones_per_byte() -> None:
+    net = NetworkModel.preset("10gbit").with_contention(2e-9, 1e-3)
+    assert net.contention_s(1000) == 1e-3  # 2 µs per byte would say
+    assert net.contention_s(10**7) == pytest.approx(2e-2)
+    assert NetworkModel.preset("10gbit").contention_s(10**7) == 0.0
+
+
+def test_per_layer_collectives_pay_the_floor_each_in_the_simulator() -> None:
+    # wfbp: one all-reduce per layer of 256K params (1.5 MB on the wire at P = 4): per byte
+    # 1.5 ms each; a 10 ms floor makes it 10 ms each, four of them
+    net = NetworkModel.preset("10gbit")
+    k = 1e-9
+    per_byte = predict_iteration_time(_profile(), "wfbp", workers=4, network=net.with_contention(k))
+    floored = predict_iteration_time(_profile(), "wfbp", workers=4, network=net.with_contention(k, 1e-2))
+    assert per_byte.breakdown_s["contention"] == pytest.approx(k * per_byte.wire_bytes_per_worker, rel=1e-9)
+    assert floored.breakdown_s["contention"] == pytest.approx(4 * 1e-2, rel=1e-9)
 
 
 def test_measure_contention_runs_on_two_workers() -> None:
-    res = measure_contention(2, seconds=0.3, payload_mb=0.5, matmul_n=64)
+    res = measure_contention(2, seconds=0.3, payload_mb=0.5, small_kb=16, matmul_n=64)
     assert res["workers"] == 2 and len(res["per_rank"]) == 2
-    assert res["cpu_s_per_wire_byte"] >= 0.0
-    assert all(r["all_reduces"] >= 3 for r in res["per_rank"])
+    assert res["cpu_s_per_wire_byte"] >= 0.0 and res["cpu_s_per_collective"] >= 0.0
+    assert res["small_payload_bytes"] == 16 * 1024
+    assert all(r["all_reduces"] >= 3 and r["small_all_reduces"] >= 3 for r in res["per_rank"])

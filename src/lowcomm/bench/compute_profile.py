@@ -80,9 +80,11 @@ def _emulated_file_profile(cfg: BenchConfig, path: str, text: str) -> Any:
     return profile
 
 
-def gloo_contention(cfg: BenchConfig, cluster: Any = None) -> float:
-    """Seconds of compute gloo's threads take per wire byte with the bench's workers and threads,
+def gloo_contention(cfg: BenchConfig, cluster: Any = None) -> dict[str, float]:
+    """Seconds of compute gloo's threads take per wire byte and, at least, per collective
+    (``cpu_s_per_wire_byte``, ``cpu_s_per_collective``) with the bench's workers and threads,
     measured on ``cluster``'s emulated links (None: loopback), where the bench's methods run."""
     from lowcomm.bench.contention import measure_contention
 
-    return float(measure_contention(cfg.nproc, threads=cfg.threads or 1, cluster=cluster)["cpu_s_per_wire_byte"])
+    res = measure_contention(cfg.nproc, threads=cfg.threads or 1, cluster=cluster)
+    return {k: float(res[k]) for k in ("cpu_s_per_wire_byte", "cpu_s_per_collective")}

@@ -129,7 +129,7 @@ def run_bench(
     log: Callable[[str], None] | None = None,
     profiler: Callable[[BenchConfig], Any] | None = None,
     collective_probe: Callable[..., dict[str, Any]] | None = None,
-    contention_probe: Callable[[BenchConfig, netns.Cluster | None], float] | None = None,
+    contention_probe: Callable[[BenchConfig, netns.Cluster | None], float | dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Run every method on every network; return the result dict (see DESIGN.md section 3).
 
@@ -220,14 +220,15 @@ def run_bench(
                         info["collectives"] = {"error": f"{type(e).__name__}: {e}"}
                     if info["collectives"].get("error"):
                         say(f"  {info['collectives']['error']}; predictions use alpha = RTT/2")
-                contention = 0.0
+                contention: dict[str, float] = {}
                 if profile is not None and result["compute"] == "real":
                     # measured on this network's links: the CPU a byte costs through the emulated
                     # links (veth, bridge, shaping, TCP at the shaped rate) is 3x loopback's at
                     # 1 Gbit/s and 40x at 100 Mbit/s here (docs/simulator.md 5.2)
                     say("  measuring the CPU gloo's threads take from compute on this network ...")
                     try:
-                        contention = (contention_probe or gloo_contention)(cfg, cluster)
+                        found = (contention_probe or gloo_contention)(cfg, cluster)
+                        contention = found if isinstance(found, dict) else {"cpu_s_per_wire_byte": float(found)}
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:  # noqa: BLE001 - predictions are an extra
@@ -294,7 +295,8 @@ def run_bench(
                                            cpus=os.cpu_count() or 1)  # every worker runs on this machine
                         info["prediction"] = prediction.add_predictions(rows, profile, info, workers=cfg.nproc,
                                                                         nproc_per_node=cfg.nproc_per_node or 1,
-                                                                        contention_s_per_byte=contention,
+                                                                        contention_s_per_byte=contention.get("cpu_s_per_wire_byte", 0.0),
+                                                                        contention_s_per_collective=contention.get("cpu_s_per_collective", 0.0),
                                                                         cpu_share=share)
                     except (KeyboardInterrupt, SystemExit):
                         raise

@@ -93,12 +93,13 @@ def plan_of(row: dict[str, Any]) -> list[int] | None:
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
                     workers: int, nproc_per_node: int = 1, contention_s_per_byte: float = 0.0,
-                    cpu_share: float = 1.0) -> dict[str, Any]:
+                    contention_s_per_collective: float = 0.0, cpu_share: float = 1.0) -> dict[str, Any]:
     """Fill the prediction keys of every ok row in place; return what was used (for the JSON).
 
     ``contention_s_per_byte`` (:func:`lowcomm.bench.contention.measure_contention`): the compute
-    seconds gloo's threads take per wire byte when workers share this machine's cores; charged
-    to rows with real compute only (emulated compute waits, leaving the cores to gloo).
+    seconds gloo's threads take per wire byte when workers share this machine's cores, and
+    ``contention_s_per_collective`` the least a collective takes; charged to rows with real
+    compute only (emulated compute waits, leaving the cores to gloo).
     ``cpu_share`` (:func:`lowcomm.sim.calibrate.core_share`): how much slower the workers' real
     CPU work runs when they run it at once; applied to the compression costs of rows with
     emulated compute (with real compute the ``nocomm`` calibration already carries it).
@@ -108,7 +109,8 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
 
     net = network_model(info, workers, nproc_per_node)
     used: dict[str, Any] = {"network_model": net.describe(), "compute_scale": None,
-                            "contention_s_per_wire_byte": contention_s_per_byte}
+                            "contention_s_per_wire_byte": contention_s_per_byte,
+                            "contention_s_per_collective": contention_s_per_collective}
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
     prof = profile
     if nocomm:
@@ -131,7 +133,8 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
         spec = r.get("spec_run") or r["method"]
         try:
             emulated = str(r.get("compute", "real")).startswith("emulated")
-            shared = net if emulated or not contention_s_per_byte else net.with_contention(contention_s_per_byte)
+            shared = net if emulated or not (contention_s_per_byte or contention_s_per_collective) else \
+                net.with_contention(contention_s_per_byte, contention_s_per_collective)
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
             try:

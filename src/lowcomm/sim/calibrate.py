@@ -268,11 +268,13 @@ def fit_contention(*, alone_iters: int, alone_s: float, with_iters: int, with_s:
 
 
 def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threads: int,
-                     rounds: int) -> dict[str, float]:
+                     rounds: int, small_elems: int = 0) -> dict[str, float]:
     """One rank of :func:`lowcomm.bench.contention.measure_contention` (module level: forked workers call it).
 
-    ``rounds`` alternations of a compute-alone phase and a compute-beside-all-reduces phase,
-    so that a drift in the machine's load (other jobs) hits both alike.
+    ``rounds`` alternations of a compute-alone phase and a compute-beside-all-reduces phase
+    (``payload_elems`` floats each; with ``small_elems``, a third phase beside all-reduces of
+    that many, keys prefixed ``small_``), so that a drift in the machine's load (other jobs)
+    hits every phase alike.
     """
     import threading
     import time
@@ -283,7 +285,6 @@ def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threa
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(dist.get_rank())
     a, b = torch.randn(matmul_n, matmul_n, generator=g), torch.randn(matmul_n, matmul_n, generator=g)
-    buf = torch.ones(payload_elems)
     phase = seconds / rounds
 
     def compute_until(stop: Any) -> tuple[int, float]:
@@ -293,24 +294,20 @@ def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threa
             n += 1
         return n, time.perf_counter() - t0
 
-    # how many all-reduces fill one phase here (rank 0 decides, everyone runs the same count)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dist.all_reduce(buf)
-    count = torch.tensor([max(3, int(phase / max((time.perf_counter() - t0) / 3, 1e-6)))])
-    dist.broadcast(count, 0)
-    n_ops = int(count.item())
-    out = {"alone_iters": 0, "alone_s": 0.0, "with_iters": 0, "with_s": 0.0, "all_reduces": 0}
-    for _ in range(rounds):
+    def ops_per_phase(buf: torch.Tensor) -> int:
+        """How many all-reduces fill one phase here (rank 0 decides, everyone runs the same count)."""
         dist.barrier()
-        t_end = time.perf_counter() + phase
-        i, t = compute_until(lambda end=t_end: time.perf_counter() >= end)
-        out["alone_iters"] += i
-        out["alone_s"] += t
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(buf)
+        count = torch.tensor([max(3, int(phase / max((time.perf_counter() - t0) / 3, 1e-6)))])
+        dist.broadcast(count, 0)
+        return int(count.item())
+
+    def beside(buf: torch.Tensor, n_ops: int) -> tuple[int, float]:
         done = threading.Event()
 
-        def comm(done: threading.Event = done) -> None:
+        def comm() -> None:
             for _ in range(n_ops):
                 dist.all_reduce(buf)
             done.set()
@@ -318,11 +315,28 @@ def _contention_rank(*, seconds: float, payload_elems: int, matmul_n: int, threa
         dist.barrier()
         th = threading.Thread(target=comm)
         th.start()
-        i, t = compute_until(done.is_set)
+        out = compute_until(done.is_set)
         th.join()
-        out["with_iters"] += i
-        out["with_s"] += t
-        out["all_reduces"] += n_ops
+        return out
+
+    bufs = {"": torch.ones(payload_elems)}
+    if small_elems:
+        bufs["small_"] = torch.ones(small_elems)
+    counts = {k: ops_per_phase(buf) for k, buf in bufs.items()}
+    out = {"alone_iters": 0, "alone_s": 0.0}
+    for k in bufs:
+        out.update({f"{k}with_iters": 0, f"{k}with_s": 0.0, f"{k}all_reduces": 0})
+    for _ in range(rounds):
+        dist.barrier()
+        t_end = time.perf_counter() + phase
+        i, t = compute_until(lambda end=t_end: time.perf_counter() >= end)
+        out["alone_iters"] += i
+        out["alone_s"] += t
+        for k, buf in bufs.items():
+            i, t = beside(buf, counts[k])
+            out[f"{k}with_iters"] += i
+            out[f"{k}with_s"] += t
+            out[f"{k}all_reduces"] += counts[k]
     return out
 
 

@@ -17,25 +17,10 @@ contributes to an all-gather, so ``n = P·n_local``; with P == 1 every collectiv
   2(G-1)·α_i + 2(G-1)/G·n·β_i + 2(N-1)·α_e + 2(N-1)/N·(n/G)·β_e
 
 **Two-level topology** (``gpus_per_node`` G > 1 with an ``intra`` link; ``lowcomm simulate
---nodes N --gpus-per-node G``). ``nic`` says who owns the inter-node link: ``gpu`` (one
-link per worker, multi-rail; the hierarchical formula above) or ``node`` (one NIC per node
-shared by its G workers: public clouds and the emulated cluster of ``lowcomm bench --nodes``).
-With a node NIC:
-
-* flat ring over all P workers (``algo=ring``): ranks are contiguous per node, so each of the
-  2(P-1) steps sends one n/P chunk across each node boundary and the NIC carries
-  2(P-1)/P·n per all-reduce: 2(P-1)·α_e + 2(P-1)/P·n·β_e;
-* hierarchical: the G inter-node rings run at once and share the NIC, so the NIC carries
-  2(N-1)/N·n: 2(G-1)·α_i + 2(G-1)/G·n·β_i + 2(N-1)·α_e + 2(N-1)/N·n·β_e;
-* hybrid (``algo=hybrid``): per message, whichever of the two is faster (the rule the
-  ``hier`` method's ``mode=hybrid`` applies per fused group).
-
-The NIC bytes per all-reduce of the two differ by 2(P-1)/P ÷ 2(N-1)/N: 1.5x at 2 nodes x 2,
-1.75x at 2 x 4, the ceiling of the hierarchical speed-up on a slow inter-node link.
-A codec's scoped rounds (:attr:`lowcomm.compress.codec.Round.scope`) run on the G workers of
-a node over the intra link (``intra``) or on the N same-local-rank workers over the inter link
-(``inter``, G concurrent collectives sharing a node NIC); without a two-level topology they
-run on all P workers (the transport's flat fallback).
+--nodes N --gpus-per-node G``): ``nic`` says who owns the inter-node link, ``gpu`` (one per
+worker, the formula above) or ``node`` (one NIC per node shared by its G workers: public
+clouds, ``lowcomm bench --nodes``). The flat ring, hierarchical and hybrid all-reduce over a
+node NIC, and where a codec's scoped rounds run, are in docs/simulator.md §2.1.
 
 **Per-collective calibration.** On gloo over TCP on a CPU box a small all-reduce costs
 milliseconds (each ring step wakes a thread and copies), and kinds differ per byte.
@@ -123,6 +108,9 @@ class NetworkModel:
     #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
     #: Measured by :func:`lowcomm.bench.contention.measure_contention`.
     cpu_s_per_wire_byte: float = field(default=0.0, compare=False)
+    #: the least compute a collective takes that way, however small (thread wake-ups, syscalls,
+    #: a Python hook), measured with a small payload: a collective costs the larger of the two
+    cpu_s_per_collective: float = field(default=0.0, compare=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -173,12 +161,21 @@ class NetworkModel:
         """Seconds per wire byte of collective ``kind`` (link β times its calibrated scale)."""
         return self.inter.beta_s_per_byte * float(self.collective_beta_scale.get(kind, 1.0))
 
-    def with_contention(self, cpu_s_per_wire_byte: float) -> NetworkModel:
-        """A copy charging ``cpu_s_per_wire_byte`` of compute per wire byte (real compute on
-        CPU cores shared with the collective library; see docs/simulator.md §5.2)."""
-        if cpu_s_per_wire_byte < 0 or cpu_s_per_wire_byte != cpu_s_per_wire_byte:
-            raise UsageError(f"cpu_s_per_wire_byte must be >= 0, got {cpu_s_per_wire_byte}")
-        return replace(self, cpu_s_per_wire_byte=float(cpu_s_per_wire_byte))
+    def with_contention(self, cpu_s_per_wire_byte: float, cpu_s_per_collective: float = 0.0) -> NetworkModel:
+        """A copy charging compute to each collective (:meth:`contention_s`): real compute on
+        CPU cores shared with the collective library."""
+        for name, v in (("cpu_s_per_wire_byte", cpu_s_per_wire_byte), ("cpu_s_per_collective", cpu_s_per_collective)):
+            if v < 0 or v != v:
+                raise UsageError(f"{name} must be >= 0, got {v}")
+        return replace(self, cpu_s_per_wire_byte=float(cpu_s_per_wire_byte),
+                       cpu_s_per_collective=float(cpu_s_per_collective))
+
+    def contention_s(self, wire_bytes: float) -> float:
+        """Compute seconds a collective moving ``wire_bytes`` takes from a worker sharing its
+        cores: per byte, never less than a small collective's (docs/simulator.md §5.2)."""
+        if not (self.cpu_s_per_wire_byte or self.cpu_s_per_collective):
+            return 0.0
+        return max(self.cpu_s_per_collective, self.cpu_s_per_wire_byte * wire_bytes)
 
     def with_calibration(self, alpha: Mapping[str, float], beta_scale: Mapping[str, float],
                          **kw: Any) -> NetworkModel:
@@ -213,6 +210,8 @@ class NetworkModel:
             d["queued_overlap"] = list(self.queued_overlap)
         if self.cpu_s_per_wire_byte:
             d["cpu_s_per_wire_byte"] = self.cpu_s_per_wire_byte
+        if self.cpu_s_per_collective:
+            d["cpu_s_per_collective"] = self.cpu_s_per_collective
         if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):
             d.update(intra_alpha_s=self.intra.alpha_s,
                      intra_bandwidth_bits_per_s=self.intra.bandwidth_bits_per_s,

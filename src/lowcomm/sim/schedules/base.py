@@ -137,7 +137,7 @@ class Sim:
         inter = self.net.inter_bytes(collective, payload, p, scope, algorithm)
         task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
                            wire_bytes=wire, inter_bytes=inter, queued_duration=queued)
-        cpu = self.net.cpu_s_per_wire_byte * wire
+        cpu = self.net.contention_s(wire)
         if cpu > 0:
             # Real compute sharing cores with the library's threads: the CPU they take is
             # charged to the compute stream when the collective is issued (not to the comm
