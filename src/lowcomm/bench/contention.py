@@ -65,6 +65,7 @@ def measure_contention(workers: int = 4, *, seconds: float = 3.0, payload_mb: fl
         res = json.loads(out.read_text())
     finally:  # what the caller needs is returned or in the error
         shutil.rmtree(work, ignore_errors=True)
+
     def lost(r: dict[str, Any], key: str, per_op_bytes: int) -> float:
         """Compute lost per wire byte beside the ``key`` phase (per collective: × per_op_bytes)."""
         return fit_contention(alone_iters=int(r["alone_iters"]), alone_s=r["alone_s"],
