@@ -7,7 +7,8 @@ carries it (``NetworkModel.with_contention``); this script measures it
 (``lowcomm.bench.contention.measure_contention``, a matmul loop alone vs beside all-reduces in
 the same process group), on an emulated cluster of each of the bench's networks as the bench
 itself does since 2026-11-28 (``--loopback``: on loopback, as before), and re-predicts a
-recorded bench JSON with and without it, so the two can be compared row by row. Emulated-compute rows (``compute: emulated:*``) compute by
+recorded bench JSON with and without it (with the per-collective floor measured beside it;
+``--k`` gives k alone), so the two can be compared row by row. Emulated-compute rows (``compute: emulated:*``) compute by
 waiting and take no CPU: they are predicted without contention.
 
     python benchmarks/sim_contention.py docs/bench/resnet18_4w.json [--k 1.5e-9 | --k 100mbit=4e-8,1gbit=3e-9]\n        [--loopback] [--profile P.json]
@@ -26,10 +27,11 @@ from typing import Any
 
 
 
-def repredict(bench: dict[str, Any], prof: Any, k: float | dict[str, float]) -> list[dict[str, Any]]:
+def repredict(bench: dict[str, Any], prof: Any, k: float | dict[str, float],
+              floor: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Every real-compute ok row of ``bench`` predicted with contention ``k`` (s per wire byte;
-    a dict: per requested network), by the bench's own rule
-    (:func:`lowcomm.bench.prediction.add_predictions`) on copies."""
+    a dict: per requested network) and the per-collective ``floor`` (s, per network; none if
+    not given), by the bench's own rule (:func:`lowcomm.bench.prediction.add_predictions`) on copies."""
     from lowcomm.bench.prediction import add_predictions
 
     out = []
@@ -38,7 +40,8 @@ def repredict(bench: dict[str, Any], prof: Any, k: float | dict[str, float]) -> 
         if not any(r["method"] == "nocomm" for r in runs):
             continue
         kn = k.get(info["requested"], 0.0) if isinstance(k, dict) else k
-        add_predictions(runs, prof, info, workers=bench["world_size"], contention_s_per_byte=kn)
+        add_predictions(runs, prof, info, workers=bench["world_size"], contention_s_per_byte=kn,
+                        contention_s_per_collective=(floor or {}).get(info["requested"], 0.0))
         for r in runs:
             pred = r.get("predicted_iter_time_s")
             if pred is None:
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     nets = [info["requested"] for info in bench.get("networks") or [bench["network"]]]
     measured: dict[str, Any] = {}
     k: float | dict[str, float]
+    floor: dict[str, float] = {}
     if args.k is not None:
         k = ({n: float(v) for n, v in (item.split("=", 1) for item in args.k.split(","))} if "=" in args.k
              else float(args.k))
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         for net in nets:
             measured[net] = _measure(net, args, bench)
             k[net] = measured[net]["cpu_s_per_wire_byte"]
+            floor[net] = measured[net]["cpu_s_per_collective"]
     if args.profile:
         from lowcomm.sim import Profile
 
@@ -107,13 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             prof.save(args.save_profile)
     base = {(r["net"], r["method"]): r for r in repredict(copy.deepcopy(bench), prof, 0.0)}
     rows = []
-    for r in repredict(bench, prof, k):
+    for r in repredict(bench, prof, k, floor):
         b = base[(r["net"], r["method"])]
         rows.append({**r, "predicted_no_contention_s": b["predicted_s"], "error_no_contention": b["error"]})
     within = sum(abs(r["error"]) <= 0.15 for r in rows if r["method"] != "nocomm")
     within0 = sum(abs(r["error_no_contention"]) <= 0.15 for r in rows if r["method"] != "nocomm")
     n = sum(r["method"] != "nocomm" for r in rows)
-    print(json.dumps({"cpu_s_per_wire_byte": k, "measurement": measured,
+    print(json.dumps({"cpu_s_per_wire_byte": k, "cpu_s_per_collective": floor, "measurement": measured,
                       "within_15pct": f"{within} of {n}", "within_15pct_no_contention": f"{within0} of {n}",
                       "rows": rows}, indent=1))
     return 0
