@@ -45,3 +45,4 @@ def test_a_plan_that_does_not_fit_the_profile_falls_back_to_planning_and_says_so
     assert rows[0]["predicted_iter_time_s"] == pytest.approx(
         predict_iteration_time(PROFILE, "mgwfbp", workers=2, network=net).iter_time_s)
     assert "the run's plan was not replayed" in rows[0]["prediction_note"]
+

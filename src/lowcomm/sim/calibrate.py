@@ -104,17 +104,19 @@ def network_from_probe(
     workers: int,
     collectives: Mapping[str, Any] | None = None,
     name: str | None = None,
+    min_scale: float = 0.5,
 ) -> NetworkModel:
     """The network model a bench prediction uses: link β from the TCP probe, and when the
     collective probe ran (``collectives`` = its JSON: ``small_s``, ``large``), per-kind α and
-    β scale fitted from it; otherwise α = RTT/2 for every kind."""
+    β scale fitted from it (at least ``min_scale``, :func:`fit_collectives`); otherwise α =
+    RTT/2 for every kind."""
     kw = {"name": name} if name else {}
     net = NetworkModel.from_probe(bits_per_s, rtt_s, **kw)
     if not collectives:
         return net
     large = {k: (int(v[0]), float(v[1])) for k, v in (collectives.get("large") or {}).items()}
     alpha, scale = fit_collectives(bits_per_s=bits_per_s, workers=workers,
-                                   small_s=collectives.get("small_s") or {}, large=large)
+                                   small_s=collectives.get("small_s") or {}, large=large, min_scale=min_scale)
     net = net.with_calibration(alpha, scale)
     queued = queued_alpha(collectives.get("stream_s") or {}, alpha, workers=workers)
     return replace(net, queued_alpha=queued, queued_overlap=GLOO_CONCURRENT) if queued else net
