@@ -138,8 +138,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
         spec = r.get("spec_run") or r["method"]
         try:
             emulated = str(r.get("compute", "real")).startswith("emulated")
-            shared = net if emulated or not (contention_s_per_byte or contention_s_per_collective) else \
-                net.with_contention(contention_s_per_byte, contention_s_per_collective)
+            shared = net if emulated else net.with_contention(contention_s_per_byte, contention_s_per_collective)
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
             try:

@@ -154,8 +154,13 @@ def scale_profile(profile: Profile, factor: float) -> Profile:
     note = f"compute scaled x{factor:.3g} to match the measured nocomm run"
     for prof in (out, out.factorized):
         if prof is not None:
-            prof.notes = f"{prof.notes}; {note}" if prof.notes else note
+            _append_note(prof, note)
     return out
+
+
+def _append_note(profile: Profile, note: str) -> None:
+    """Add ``note`` to the profile's notes (how it was derived), after any it has."""
+    profile.notes = f"{profile.notes}; {note}" if profile.notes else note
 
 
 def scale_compression(profile: Profile, factor: float) -> Profile:
@@ -235,8 +240,7 @@ def calibrate_phases(profile: Profile, measured_nocomm_s: float, breakdown: Mapp
     out.optimizer_s = 0.0  # the rest: what nocomm takes beyond the layers (and the schedule's own sync)
     predicted = predict_iteration_time(out, "nocomm", workers=workers, network=network).iter_time_s
     out.optimizer_s = max(0.0, measured_nocomm_s - predicted)
-    note = "compute calibrated per phase (forward, backward, the rest) to the measured nocomm run"
-    out.notes = f"{out.notes}; {note}" if out.notes else note
+    _append_note(out, "compute calibrated per phase (forward, backward, the rest) to the measured nocomm run")
     return out, factor
 
 

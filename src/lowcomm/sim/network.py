@@ -172,9 +172,7 @@ class NetworkModel:
 
     def contention_s(self, wire_bytes: float) -> float:
         """Compute seconds a collective moving ``wire_bytes`` takes from a worker sharing its
-        cores: per byte, never less than a small collective's (docs/simulator.md §5.2)."""
-        if not (self.cpu_s_per_wire_byte or self.cpu_s_per_collective):
-            return 0.0
+        cores: per byte, never less than a small collective's (docs/simulator.md §5.2); 0 without."""
         return max(self.cpu_s_per_collective, self.cpu_s_per_wire_byte * wire_bytes)
 
     def with_calibration(self, alpha: Mapping[str, float], beta_scale: Mapping[str, float],
