@@ -249,6 +249,15 @@ def test_mgwfbp_probes_alpha_beta_and_every_rank_gets_rank0s_plan() -> None:
     assert d0["group_sizes_units"] == d1["group_sizes_units"]
 
 
+@pytest.mark.parametrize("steps", [2, 3])
+def test_mgwfbp_runs_its_plan_from_the_step_its_warmup_steps_name(steps: int) -> None:
+    spec = "mgwfbp:profile_iters=2"
+    warmup = methods.create(spec).warmup_steps()
+    assert warmup == 3  # two profiled backwards after the first, which sends before it is profiled
+    results = run_distributed(compare_with_ddp, 2, spec, "sgd", steps, False, None)
+    assert [r["describe"]["planned"] for r in results] == [steps >= warmup] * 2
+
+
 BIG = 100_000  # elements: above the always-merge size
 
 

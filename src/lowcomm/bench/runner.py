@@ -115,7 +115,8 @@ def train_args(cfg: BenchConfig, method: str, json_path: Path) -> list[str]:
         args += ["--epochs", str(cfg.epochs), "--warmup-steps", str(cfg.warmup),
                  "--log", str(steps_log_path(json_path))]
     else:
-        args += ["--steps", str(cfg.iters + cfg.warmup), "--warmup-steps", str(cfg.warmup), "--no-eval"]
+        warmup = timing_warmup(method, cfg)
+        args += ["--steps", str(cfg.iters + warmup), "--warmup-steps", str(warmup), "--no-eval"]
     if cfg.threads:
         args += ["--threads", str(cfg.threads)]
     return args + ["--no-progress"] + list(cfg.extra_train_args)
@@ -192,6 +193,16 @@ def timing_spec(spec: str, cfg: BenchConfig) -> str:
     return f"{name}:{','.join([opts, *added] if opts else added)}"
 
 
+def timing_warmup(spec: str, cfg: BenchConfig) -> int:
+    """The steps a timing run leaves out of ``spec``'s medians: the bench's ``--warmup``, or
+    more where the method first measures itself online (``mgwfbp`` profiles its layers before
+    it plans the fusion, ``dear:tune=true`` times each trial threshold); timing those steps
+    would average the method with something else (:meth:`lowcomm.methods.base.Method.warmup_steps`)."""
+    from lowcomm import methods
+
+    return max(cfg.warmup, methods.create(spec).warmup_steps())
+
+
 #: :func:`lowcomm.runtime.launch.launch_workers` or a stand-in (tests): ``(args, nproc, **kw) -> exit code``
 Launcher = Callable[..., int]
 
@@ -243,6 +254,7 @@ def run_method(
     if code == 130:  # the launcher caught Ctrl-C / SIGTERM and stopped the workers: stop the bench
         raise KeyboardInterrupt
     row: dict[str, Any] = {"method": method, "spec_run": run_spec, "wall_s": wall, "log": str(log_path),
+                           "warmup_iters": cfg.warmup if cfg.tta else timing_warmup(run_spec, cfg),
                            "load_avg_1m_before": load, "nodes": cfg.nodes,
                            "nproc_per_node": cfg.nproc_per_node or 1}
     if code != 0 or not json_path.exists():

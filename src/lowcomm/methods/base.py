@@ -123,6 +123,12 @@ class Method:
         the model it really trains with no communication (its compute differs)."""
         return "nocomm"
 
+    def warmup_steps(self) -> int:
+        """Steps before this method runs as it will for the rest of training: a method that
+        measures itself online (a fusion plan, a tuned threshold) behaves differently until it
+        has. A timing run (``lowcomm bench``) leaves at least these steps out of its medians."""
+        return 0
+
     # --- schedule / payload axis ------------------------------------------------------------
     def wrap(self, model: nn.Module, ctx: MethodContext) -> nn.Module:
         """Wrap for data parallelism. Default: DDP, then :meth:`register_hook`."""

@@ -235,6 +235,10 @@ class MGWFBP(EngineMethod):
         engine.ready_profile.clear()
         engine.on_synced.append(self._maybe_plan)
 
+    def warmup_steps(self) -> int:
+        """Profiled steps (the first backward is not profiled); the plan runs from the next."""
+        return self.options.profile_iters + 1
+
     def _maybe_plan(self, engine: Engine) -> None:
         # the first backward sends nothing until the unused-parameter check: not profiled
         if self.planned or len(engine.ready_profile) < self.options.profile_iters + 1:
@@ -301,6 +305,12 @@ class DeAR(EngineMethod):
             self.tuner = ThresholdTuner(low_mb=lo, high_mb=hi, trials=o.tune_trials, seed=o.seed)
             self.threshold_mb = agree_float(self.tuner.suggest(), engine, tag="dear.tune")
         engine.set_grouping(fuse_by_threshold(engine.units, self.threshold_mb * MB))
+
+    def warmup_steps(self) -> int:
+        """With ``tune=true``: every trial's window (its first interval after regrouping dropped)
+        and one step more at the chosen threshold; else none."""
+        o = self.options
+        return o.tune_trials * (o.tune_iters + 2) + 1 if o.tune and not self.tuned else 0
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The engine's step; while tuning, time windows of iterations and move to the next threshold."""
