@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lowcomm.compress.codec import CODECS, Codec, Layout, Message, codec_class
+from lowcomm.compress.feedback import finite_flag
 from lowcomm.compress.steady import final_message, primed, received, step_offsets
 from lowcomm.sim.profile import ComputeCosts, LayerProfile, Profile
 
@@ -34,9 +35,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _encode_as_trained(codec: Codec, buf: torch.Tensor, layout: Layout, finite: torch.Tensor) -> Message:
-    """What a transport does to a buffer before sending: the velocity (momentum correction,
-    a no-op without it), then the first message."""
+def _encode_as_trained(codec: Codec, buf: torch.Tensor, layout: Layout) -> Message:
+    """What a transport does to a buffer before sending, all inside training's compression
+    time: the buffer's finiteness flag (one read pass), the velocity (momentum correction, a
+    no-op without it), then the first message."""
+    finite = finite_flag(buf)
     codec.accumulate(buf, layout, finite)
     return codec.encode(buf, layout, finite)
 
@@ -209,7 +212,7 @@ def _encode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.T
     times = []
     for offset in step_offsets(codec):
         primed(codec, x, layout, finite, 4, offset)
-        times.append(_timed(functools.partial(_encode_as_trained, codec, x.clone(), layout, finite), device, reps))
+        times.append(_timed(functools.partial(_encode_as_trained, codec, x.clone(), layout), device, reps))
     return statistics.mean(times)
 
 
@@ -230,6 +233,7 @@ def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.T
             _sync(device)
             t0 = time.perf_counter()
             codec.decode(msg, rec, buf)  # into the buffer it encoded, as the DDP hook and the engine do
+            finite_flag(buf)  # the result's finiteness, which both transports read per bucket
             _sync(device)
             samples.append(time.perf_counter() - t0)
         times.append(statistics.median(samples[1:]))
