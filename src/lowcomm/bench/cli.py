@@ -65,7 +65,8 @@ def register(sub: Any) -> None:
     p.add_argument("--net", default="100mbit", help="RATE[,delay=MS] e.g. 100mbit, 1gbit, or none (loopback)")
     p.add_argument("--sweep-net", default=None, metavar="RATES", help="e.g. 100mbit,1gbit,10gbit (overrides --net)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per method (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up iterations (default 2)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed warm-up iterations (default 2; more for a method that first measures itself: mgwfbp, dear:tune=true)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     p.add_argument("--epochs", type=int, default=None,
                    help="time-to-accuracy mode: train E epochs, evaluating each; reports the training time "
