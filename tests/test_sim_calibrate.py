@@ -224,3 +224,43 @@ def test_a_queued_gloo_collective_costs_the_larger_of_its_wire_time_and_its_queu
         rs2 = sim.collective("d", "reduce_scatter", size, 0)
         assert rs2.start == pytest.approx(rs1.end)
         assert rs2.duration == pytest.approx(queued.reduce_scatter(size, P))
+
+
+def test_a_collective_beside_a_transfer_hides_its_latency_under_it_down_to_what_the_probe_measured() -> None:
+    from lowcomm.sim.schedules.base import Sim
+
+    stream = {"all_reduce": 4e-3, "all_gather": 2e-3}
+    beside_s = {"all_reduce": 0.5e-3, "all_gather": 9.0}  # 9 s: above the queued α, clamped to it
+    net = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                             collectives={"small_s": SMALL, "stream_s": stream, "beside_s": beside_s, "large": LARGE})
+    queued, beside = net.queued(), net.beside()
+    assert queued is not None and beside is not None
+    assert beside.alpha_for("all_reduce") == pytest.approx(0.5e-3 / latency_steps("all_reduce", P))
+    assert beside.alpha_for("all_gather") == pytest.approx(queued.alpha_for("all_gather"))
+    assert "beside_alpha_s" in net.describe()
+    prof = Profile(model="m", batch_size=8, layers=[LayerProfile("l", 1e-3, 1e-3, [[10]])])
+    sim = Sim(prof, P, net)
+    big = sim.collective("big", "all_reduce", 4_000_000, 0)  # 0.3 s on the wire
+    small = sim.collective("small", "all_reduce", 16, 0)  # issued while "big" transfers
+    assert small.start == pytest.approx(big.end)
+    assert small.duration == pytest.approx(beside.all_reduce(0, P))  # its latency hid under "big"
+    tiny = sim.collective("tiny", "all_reduce", 16, 0)  # behind a tiny one: most of its latency shows
+    assert tiny.duration == pytest.approx(max(beside.all_reduce(0, P), small.start + queued.all_reduce(0, P) - small.end))
+    assert tiny.duration > small.duration
+    # a probe without the measurement keeps the older rule (recorded runs re-predict as before)
+    assert network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                              collectives={"small_s": SMALL, "stream_s": stream, "large": LARGE}).beside() is None
+
+
+def test_the_timeline_starts_a_beside_latency_with_the_task_before_it() -> None:
+    from lowcomm.sim.timeline import Timeline
+
+    tl = Timeline()
+    first = tl.add("a", "comm", 1.0, kind="comm", iteration=0)
+    hidden = tl.add("b", "comm", 1.0, kind="comm", iteration=0, beside=(0.01, 0.5, 0.02))
+    assert hidden.start == first.end and hidden.duration == pytest.approx(0.02)  # 0.5 s latency ran under "a"
+    shown = tl.add("c", "comm", 1.0, kind="comm", iteration=0, beside=(0.01, 0.5, 0.02))
+    assert shown.duration == pytest.approx(hidden.start + 0.5 - hidden.end)  # "b" was short: most shows
+    late = tl.add("w", "compute", 9.0, kind="backward", iteration=0)
+    idle = tl.add("d", "comm", 1.0, kind="comm", iteration=0, after=[late], beside=(0.01, 0.5, 0.02))
+    assert idle.duration == 1.0  # the link was free: its own duration

@@ -11,10 +11,14 @@ uses on gloo) times
   to back before waiting (``stream_s``, per collective): the latency of a collective queued
   behind another, which the library overlaps in part (a step issues one per layer or bucket), and
 * all-reduce, reduce-scatter and all-gather with a payload sized to ``--wire-bytes`` on the
-  wire per worker (median of 3): the effective bandwidth of that kind.
+  wire per worker (median of 3): the effective bandwidth of that kind, and
+* for the kinds gloo runs two at a time (all-reduce, all-gather), ``STREAM`` tiny ones issued
+  behind such a large one (``beside_s``, per tiny collective: what the pair takes beyond the
+  large one alone): the latency of a collective that waits beside a transfer, which costs far
+  less than one queued behind another tiny one when the transfer leaves the CPU idle.
 
-Rank 0 writes ``{"workers", "small_s": {kind: s}, "stream_s": {kind: s}, "large": {kind:
-[payload_bytes, s]}}``;
+Rank 0 writes ``{"workers", "small_s": {kind: s}, "stream_s": {kind: s}, "beside_s": {kind: s},
+"large": {kind: [payload_bytes, s]}}``;
 :func:`lowcomm.sim.calibrate.network_from_probe` fits the simulator's per-kind α/β to it.
 """
 
@@ -60,6 +64,14 @@ def _back_to_back(issue: Callable[..., Any]) -> Callable[[], None]:
     return run
 
 
+def _behind(large: Callable[..., Any], tiny: Callable[..., Any]) -> Callable[[], None]:
+    """One large collective, then ``STREAM`` tiny ones issued behind it, all waited for."""
+    def run() -> None:
+        for work in [large(True), *(tiny(True) for _ in range(STREAM))]:
+            work.wait()
+    return run
+
+
 def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
     import torch
     import torch.distributed as dist
@@ -94,6 +106,7 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
     stream = {k: _time(_back_to_back(tiny[k]), max(3, reps // 3), 1) / STREAM
               for k in ("all_reduce", "reduce_scatter", "all_gather")}
     large: dict[str, list[float]] = {}
+    beside: dict[str, float] = {}
     if wire_bytes > 0 and p > 1:
         # payloads with about ``wire_bytes`` on the wire per worker for each kind
         ar = max(p, (wire_bytes * p // (2 * (p - 1)) // 4) // p * p)
@@ -104,10 +117,14 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
             f = ops(elems, local)[kind]
             payload = 4 * (local if kind == "all_gather" else elems)
             large[kind] = [payload, _time(f, 3, 1)]
+        for kind in ("all_reduce", "all_gather"):  # what gloo runs two at a time
+            f = ops(ar, 1)["all_reduce"] if kind == "all_reduce" else ops(p, ag)["all_gather"]
+            beside[kind] = max(0.0, (_time(_behind(f, tiny[kind]), 3, 1) - _time(f, 3, 1)) / STREAM)
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps({"workers": p, "threads": threads, "reps": reps,
-                                         "small_s": small, "stream_s": stream, "large": large}) + "\n")
+                                         "small_s": small, "stream_s": stream, "beside_s": beside,
+                                         "large": large}) + "\n")
     dist.destroy_process_group()
 
 

@@ -119,7 +119,10 @@ def network_from_probe(
                                    small_s=collectives.get("small_s") or {}, large=large, min_scale=min_scale)
     net = net.with_calibration(alpha, scale)
     queued = queued_alpha(collectives.get("stream_s") or {}, alpha, workers=workers)
-    return replace(net, queued_alpha=queued, queued_overlap=GLOO_CONCURRENT) if queued else net
+    if not queued:
+        return net
+    beside = queued_alpha(collectives.get("beside_s") or {}, queued, workers=workers)
+    return replace(net, queued_alpha=queued, queued_overlap=GLOO_CONCURRENT, beside_alpha=beside)
 
 
 #: Kinds a gloo process group runs two at a time: its collectives go to a pool of two worker

@@ -101,12 +101,13 @@ class NetworkModel:
     collective_beta_scale: Mapping[str, float] = field(default_factory=dict, compare=False)
     #: per-step latency (s) by kind of a collective queued behind another (empty: as isolated)
     queued_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
-    #: kinds the library runs two at a time (gloo's worker threads): a queued one costs the
-    #: larger of its wire time and its queued latency, the latter overlapping the transfer before
+    #: kinds the library runs two at a time (gloo's worker threads; Timeline.add's ``beside``)
     queued_overlap: tuple[str, ...] = field(default=(), compare=False)
-    #: compute seconds a worker loses per wire byte it moves (the collective library's threads
-    #: taking CPU from compute when they share cores; 0 on a GPU or with emulated compute).
-    #: Measured by :func:`lowcomm.bench.contention.measure_contention`.
+    #: per-step latency (s) by kind of a ``queued_overlap`` collective beside a transfer (the
+    #: probe's tiny ones behind a large one; empty: the larger of wire time and queued latency)
+    beside_alpha: Mapping[str, float] = field(default_factory=dict, compare=False)
+    #: compute seconds a worker loses per wire byte it moves (the library's threads taking CPU from
+    #: compute on shared cores; 0 on a GPU, emulated compute; bench.contention.measure_contention)
     cpu_s_per_wire_byte: float = field(default=0.0, compare=False)
     #: the least compute a collective takes that way, however small (thread wake-ups, syscalls,
     #: a Python hook), measured with a small payload: a collective costs the larger of the two
@@ -182,9 +183,14 @@ class NetworkModel:
 
     def queued(self) -> NetworkModel | None:
         """The model of a collective that waits for the link (queued α by kind), or None."""
-        if not self.queued_alpha:
-            return None
-        return replace(self, collective_alpha={**self.collective_alpha, **self.queued_alpha}, queued_alpha={})
+        return self._with_alpha(self.queued_alpha)
+
+    def beside(self) -> NetworkModel | None:
+        """The model of a collective beside a transfer (beside α by kind), or None."""
+        return self._with_alpha(self.beside_alpha)
+
+    def _with_alpha(self, alpha: Mapping[str, float]) -> NetworkModel | None:
+        return replace(self, collective_alpha={**self.collective_alpha, **alpha}, queued_alpha={}) if alpha else None
 
     @property
     def beta_s_per_byte(self) -> float:
@@ -199,17 +205,14 @@ class NetworkModel:
             "alpha_s": self.inter.alpha_s,
             "bandwidth_bits_per_s": self.inter.bandwidth_bits_per_s,
         }
-        if self.collective_alpha:
-            d["collective_alpha_s"] = dict(self.collective_alpha)
-        if self.collective_beta_scale:
-            d["collective_beta_scale"] = dict(self.collective_beta_scale)
-        if self.queued_alpha:
-            d["queued_alpha_s"] = dict(self.queued_alpha)
-            d["queued_overlap"] = list(self.queued_overlap)
-        if self.cpu_s_per_wire_byte:
-            d["cpu_s_per_wire_byte"] = self.cpu_s_per_wire_byte
-        if self.cpu_s_per_collective:
-            d["cpu_s_per_collective"] = self.cpu_s_per_collective
+        optional = {"collective_alpha_s": dict(self.collective_alpha),
+                    "collective_beta_scale": dict(self.collective_beta_scale),
+                    "queued_alpha_s": dict(self.queued_alpha),
+                    "queued_overlap": list(self.queued_overlap) if self.queued_alpha else None,
+                    "beside_alpha_s": dict(self.beside_alpha),
+                    "cpu_s_per_wire_byte": self.cpu_s_per_wire_byte,
+                    "cpu_s_per_collective": self.cpu_s_per_collective}
+        d.update({k: v for k, v in optional.items() if v})
         if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):
             d.update(intra_alpha_s=self.intra.alpha_s,
                      intra_bandwidth_bits_per_s=self.intra.bandwidth_bits_per_s,

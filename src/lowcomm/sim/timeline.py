@@ -47,6 +47,7 @@ class Timeline:
     def __init__(self) -> None:
         self.tasks: list[Task] = []
         self._free = {s: 0.0 for s in STREAMS}
+        self._last: dict[str, Task | None] = {s: None for s in STREAMS}
 
     def add(
         self,
@@ -60,19 +61,35 @@ class Timeline:
         wire_bytes: int = 0,
         inter_bytes: float = 0.0,
         queued_duration: float | None = None,
+        beside: tuple[float, float, float] | None = None,
     ) -> Task:
         """Append a task: it starts when its stream is free and every ``after`` task has ended.
         ``queued_duration``: its duration instead when it had to wait for the stream (its
         dependencies ended before the stream was free), e.g. a collective queued behind
-        another, whose latency the library overlaps with the one before."""
+        another, whose latency the library overlaps with the one before.
+
+        ``beside`` = ``(wire_s, latency_s, least_s)``: a collective the library runs beside the
+        one before it (gloo's two worker threads). When it waits for the stream, its latency
+        runs from when the task before it started (or its dependencies ended, if later) and
+        only its transfer waits for the link: it takes ``max(wire_s, least_s, max(previous
+        start, ready) + latency_s - free)``, ``least_s`` being what the probe measured such a
+        collective to cost beside a transfer (the CPU its steps still need)."""
         if stream not in self._free:
             raise ValueError(f"unknown stream {stream!r}")
         ready = max([0.0, *(t.end for t in after if t is not None)])
-        start = max(self._free[stream], ready)
-        if queued_duration is not None and self._free[stream] > ready:
-            duration = queued_duration
+        free = self._free[stream]
+        start = max(free, ready)
+        if free > ready:
+            if beside is not None:
+                wire_s, latency_s, least_s = beside
+                before = self._last[stream]
+                began = max(before.start if before is not None else free, ready)
+                duration = max(wire_s, least_s, began + latency_s - free)
+            elif queued_duration is not None:
+                duration = queued_duration
         task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes)
         self._free[stream] = task.end
+        self._last[stream] = task
         self.tasks.append(task)
         return task
 

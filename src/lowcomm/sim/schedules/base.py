@@ -75,6 +75,7 @@ class Sim:
         self.p = workers
         self.net = network
         self.net_queued = network.queued()  # collectives that wait for the link (None: same α)
+        self.net_beside = network.beside()  # ... beside a transfer (None: not measured)
         self.tl = Timeline()
         self.bpe = profile.bytes_per_elem
         self.c = profile.costs
@@ -123,11 +124,15 @@ class Sim:
         nbytes = payload if timed_bytes is None else timed_bytes
         t = self._seconds(self.net, collective, nbytes, scope, algorithm)
         queued_net = self.net_queued
-        queued = None
+        queued = beside = None
         if queued_net is not None and collective in self.net.queued_overlap:
-            # two at a time: the queued latency overlaps the transfer before (NetworkModel)
+            # two at a time: the queued latency overlaps the transfer before (Timeline.add)
             wire_s = t - self._seconds(self.net, collective, 0, scope, algorithm)
-            queued = max(wire_s, self._seconds(queued_net, collective, 0, scope, algorithm))
+            latency_s = self._seconds(queued_net, collective, 0, scope, algorithm)
+            if self.net_beside is None:  # a probe without the measurement: the older rule
+                queued = max(wire_s, latency_s)
+            else:
+                beside = (wire_s, latency_s, self._seconds(self.net_beside, collective, 0, scope, algorithm))
         elif queued_net is not None:
             queued = self._seconds(queued_net, collective, nbytes, scope, algorithm)
         p = self.p
@@ -136,7 +141,7 @@ class Sim:
         wire = self.net.wire_bytes_of(collective, payload, p, scope, algorithm)
         inter = self.net.inter_bytes(collective, payload, p, scope, algorithm)
         task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
-                           wire_bytes=wire, inter_bytes=inter, queued_duration=queued)
+                           wire_bytes=wire, inter_bytes=inter, queued_duration=queued, beside=beside)
         cpu = self.net.contention_s(wire)
         if cpu > 0:
             # Real compute sharing cores with the library's threads: the CPU they take is
