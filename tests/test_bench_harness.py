@@ -122,7 +122,7 @@ def test_real_workers_run_end_to_end_on_the_emulated_network(tmp_path: Path) -> 
     coll = result["network"]["collectives"]
     assert not coll.get("error"), coll.get("error")
     assert coll["workers"] == 2 and coll["small_s"]["all_reduce"] > 0 and coll["large"]["all_gather"][1] > 0
-    assert set(coll["beside_s"]) == {"all_reduce", "all_gather"} and min(coll["beside_s"].values()) >= 0
+    assert set(coll["beside_s"]) == {"all_reduce", "reduce_scatter", "all_gather"} and min(coll["beside_s"].values()) >= 0
     assert run["predicted_iter_time_s"] > 0 and run["prediction_error"] is not None
     assert run["predicted_bytes_per_worker_per_iter"] == pytest.approx(run["bytes_per_worker_per_iter"], rel=0.01)
     assert not [n for n in netns.list_namespaces() if n.startswith(f"lcb{os.getpid()}")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,3 +113,41 @@ def test_a_device_tensor_on_gloo_travels_through_a_host_copy_and_lands_on_wait()
         assert torch.equal(out, _expected(8, torch.float32))
     finally:
         accounting._stage_through_host = real  # type: ignore[assignment]
+
+
+def test_a_group_runs_two_rings_at_once_never_more() -> None:
+    import threading
+    import time
+
+    class Blocking:  # stands in for a ring: records its start, finishes when released
+        def __init__(self, name: str) -> None:
+            self.name, self.release = name, threading.Event()
+
+        def run(self) -> None:
+            with lock:
+                started.append(self.name)
+                running[0] += 1
+                peak[0] = max(peak[0], running[0])
+            self.release.wait(30)
+            with lock:
+                running[0] -= 1
+
+    def until(cond: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    lock, started, running, peak = threading.Lock(), [], [0], [0]
+    driver = ring._Driver()
+    rings = [Blocking(f"r{i}") for i in range(3)]
+    works = [driver.submit(r) for r in rings]  # type: ignore[arg-type]
+    until(lambda: len(started) == 2)
+    time.sleep(0.2)  # a third thread, if there were one, would have started r2 by now
+    assert sorted(started) == ["r0", "r1"] and peak[0] == ring.IN_FLIGHT == 2
+    rings[0].release.set()  # a finished ring frees its thread for the next one
+    until(lambda: len(started) == 3)
+    assert started[2] == "r2" and peak[0] == 2
+    for r in rings:
+        r.release.set()
+    for w in works:
+        w.wait()

@@ -205,10 +205,10 @@ def test_a_queued_gloo_collective_costs_the_larger_of_its_wire_time_and_its_queu
     from lowcomm.sim.calibrate import GLOO_CONCURRENT
     from lowcomm.sim.schedules.base import Sim
 
-    stream = {"all_reduce": 4e-3, "reduce_scatter": 2e-3}
+    stream = {"all_reduce": 4e-3, "reduce_scatter": 2e-3, "broadcast": 0.3e-3}
     net = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
                              collectives={"small_s": SMALL, "stream_s": stream, "large": LARGE})
-    assert set(net.queued_overlap) == set(GLOO_CONCURRENT) and "reduce_scatter" not in net.queued_overlap
+    assert set(net.queued_overlap) == set(GLOO_CONCURRENT) == {"all_reduce", "all_gather", "reduce_scatter"}
     prof = Profile(model="m", batch_size=8, layers=[LayerProfile("l", 1e-3, 1e-3, [[10]])])
     sim = Sim(prof, P, net)
     queued = net.queued()
@@ -219,11 +219,16 @@ def test_a_queued_gloo_collective_costs_the_larger_of_its_wire_time_and_its_queu
         wire = net.all_reduce(size, P) - net.all_reduce(0, P)
         assert second.start == pytest.approx(first.end)
         assert second.duration == pytest.approx(max(wire, queued.all_reduce(0, P)))
-        # the ring reduce-scatter runs one at a time: queued latency and wire time add up
-        rs1 = sim.collective("c", "reduce_scatter", size, 0)
-        rs2 = sim.collective("d", "reduce_scatter", size, 0)
-        assert rs2.start == pytest.approx(rs1.end)
-        assert rs2.duration == pytest.approx(queued.reduce_scatter(size, P))
+        # the ring reduce-scatter runs two rings at once too
+        sim.collective("c", "reduce_scatter", size, 0)
+        rs = sim.collective("d", "reduce_scatter", size, 0)
+        rs_wire = net.reduce_scatter(size, P) - net.reduce_scatter(0, P)
+        assert rs.duration == pytest.approx(max(rs_wire, queued.reduce_scatter(0, P)))
+        # a kind run one at a time (broadcast): queued latency and wire time add up
+        b1 = sim.collective("e", "broadcast", size, 0)
+        b2 = sim.collective("f", "broadcast", size, 0)
+        assert b2.start == pytest.approx(b1.end)
+        assert b2.duration == pytest.approx(queued.broadcast(size, P))
 
 
 def test_a_collective_beside_a_transfer_hides_its_latency_under_it_down_to_what_the_probe_measured() -> None:

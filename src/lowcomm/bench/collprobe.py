@@ -12,7 +12,7 @@ uses on gloo) times
   behind another, which the library overlaps in part (a step issues one per layer or bucket), and
 * all-reduce, reduce-scatter and all-gather with a payload sized to ``--wire-bytes`` on the
   wire per worker (median of 3): the effective bandwidth of that kind, and
-* for the kinds gloo runs two at a time (all-reduce, all-gather), ``STREAM`` tiny ones issued
+* for the kinds run two at a time (gloo's all-reduce and all-gather, the ring), ``STREAM`` tiny ones issued
   behind such a large one (``beside_s``, per tiny collective: what the pair takes beyond the
   large one alone): the latency of a collective that waits beside a transfer, which costs far
   less than one queued behind another tiny one when the transfer leaves the CPU idle.
@@ -117,8 +117,8 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
             f = ops(elems, local)[kind]
             payload = 4 * (local if kind == "all_gather" else elems)
             large[kind] = [payload, _time(f, 3, 1)]
-        for kind in ("all_reduce", "all_gather"):  # what gloo runs two at a time
-            f = ops(ar, 1)["all_reduce"] if kind == "all_reduce" else ops(p, ag)["all_gather"]
+        for kind, (elems, local) in (("all_reduce", (ar, 1)), ("reduce_scatter", (rs, 1)), ("all_gather", (p, ag))):
+            f = ops(elems, local)[kind]  # what runs two at a time (gloo's threads, the ring's)
             beside[kind] = max(0.0, (_time(_behind(f, tiny[kind]), 3, 1) - _time(f, 3, 1)) / STREAM)
     dist.barrier()
     if rank == 0:

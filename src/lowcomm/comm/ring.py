@@ -18,9 +18,10 @@ own part of it. After the last step rank ``r`` holds the full sum of chunk ``r``
 summed in one fixed order (starting at the rank after its owner), the same on every rank.
 
 Asynchrony: each step waits on the one before, so a ring cannot be one queued gloo call.
-:func:`start` hands it to one short-lived thread per process group, which runs the group's
-rings in submission order and exits when none is left; the returned handle's ``wait()``
-blocks until the ring is done (and raises what the ring raised). Every rank submits the same
+:func:`start` hands it to short-lived threads of its process group (at most
+:data:`IN_FLIGHT`), which take the group's rings in submission order and exit when none is
+left; the returned handle's ``wait()`` blocks until the ring is done (and raises what the ring
+raised). Every rank submits the same
 rings in the same order, as with any collective; the point-to-point tags come from a
 reserved range (:data:`TAG_BASE`) counted per group, so they never meet the tags of other
 point-to-point traffic (gTop-k's rounds use the default tag).
@@ -42,6 +43,9 @@ TAG_BASE = 1 << 30
 TAG_SPAN = 1 << 29
 #: A step's chunk travels in segments of this size, so summing one overlaps receiving the next.
 SEGMENT_BYTES = 1 << 20
+#: Rings of one group in flight at once, each on its own thread (gloo runs two collectives at
+#: once, too): a small ring's latency steps then pass while a large one's transfer holds the link.
+IN_FLIGHT = 2
 
 
 def segments(elements: int, element_size: int) -> list[tuple[int, int]]:
@@ -135,12 +139,16 @@ class _Ring:
 
 
 class _Driver:
-    """Runs one process group's rings in submission order on a thread of its own."""
+    """Runs one process group's rings in submission order, up to :data:`IN_FLIGHT` at once.
+
+    Why no deadlock: every rank starts the same rings in the same order, so the oldest ring not
+    yet done is, on every rank, either done or running (a rank runs a younger ring only on a
+    thread an older one freed), and it needs nothing else to finish."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: deque[tuple[_Ring, RingWork]] = deque()
-        self._running = False
+        self._running = 0
         self._next_tag = 0
 
     def tags(self, steps: int) -> int:
@@ -156,8 +164,8 @@ class _Driver:
         work = RingWork()
         with self._lock:
             self._jobs.append((ring, work))
-            if not self._running:
-                self._running = True
+            if self._running < IN_FLIGHT:
+                self._running += 1
                 threading.Thread(target=self._run, name="lowcomm-ring", daemon=True).start()
         return work
 
@@ -165,7 +173,7 @@ class _Driver:
         while True:
             with self._lock:
                 if not self._jobs:
-                    self._running = False
+                    self._running -= 1
                     return
                 ring, work = self._jobs.popleft()
             try:

@@ -126,12 +126,12 @@ def network_from_probe(
 
 
 #: Kinds a gloo process group runs two at a time: its collectives go to a pool of two worker
-#: threads (torch's default), so a queued one's latency overlaps the transfer of the one
-#: before. lowcomm's reduce-scatter on gloo (:mod:`lowcomm.comm.ring`) runs one ring at a
-#: time per group. Measured: without this, the simulator put ``wfbp`` and ``lee18`` (one
-#: collective per layer) 9-18 % above emulated-compute runs, with it 2-10 %
-#: (docs/benchmarks.md, "Reduce-scatter on gloo, and the schedules again").
-GLOO_CONCURRENT = ("all_reduce", "all_gather")
+#: threads (torch's default), and lowcomm's reduce-scatter on gloo (:mod:`lowcomm.comm.ring`)
+#: runs two rings at once, so a queued one's latency overlaps the transfer of the one before.
+#: Measured: without this, the simulator put ``wfbp`` and ``lee18`` (one collective per layer)
+#: 9-18 % above emulated-compute runs, with it 2-10 % (docs/benchmarks.md, "Reduce-scatter on
+#: gloo, and the schedules again"); the ring's second thread: docs/simulator.md 5.3.
+GLOO_CONCURRENT = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def queued_alpha(stream_s: Mapping[str, float], alpha: Mapping[str, float], *, workers: int) -> dict[str, float]:
