@@ -206,9 +206,13 @@ def test_a_queued_gloo_collective_costs_the_larger_of_its_wire_time_and_its_queu
     from lowcomm.sim.schedules.base import Sim
 
     stream = {"all_reduce": 4e-3, "reduce_scatter": 2e-3, "broadcast": 0.3e-3}
+    older = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
+                               collectives={"small_s": SMALL, "stream_s": stream, "large": LARGE})
+    assert set(older.queued_overlap) == set(GLOO_CONCURRENT) == {"all_reduce", "all_gather"}  # one ring at a time
+    beside_s = {"all_reduce": 9.0, "reduce_scatter": 9.0, "all_gather": 9.0}  # clamped: the older rule's values
     net = network_from_probe(bits_per_s=BITS, rtt_s=2e-5, workers=P,
-                             collectives={"small_s": SMALL, "stream_s": stream, "large": LARGE})
-    assert set(net.queued_overlap) == set(GLOO_CONCURRENT) == {"all_reduce", "all_gather", "reduce_scatter"}
+                             collectives={"small_s": SMALL, "stream_s": stream, "beside_s": beside_s, "large": LARGE})
+    assert set(net.queued_overlap) == {"all_reduce", "all_gather", "reduce_scatter"}  # the ring: two at once
     prof = Profile(model="m", batch_size=8, layers=[LayerProfile("l", 1e-3, 1e-3, [[10]])])
     sim = Sim(prof, P, net)
     queued = net.queued()

@@ -121,17 +121,21 @@ def network_from_probe(
     queued = queued_alpha(collectives.get("stream_s") or {}, alpha, workers=workers)
     if not queued:
         return net
-    beside = queued_alpha(collectives.get("beside_s") or {}, queued, workers=workers)
-    return replace(net, queued_alpha=queued, queued_overlap=GLOO_CONCURRENT, beside_alpha=beside)
+    beside_s = collectives.get("beside_s") or {}
+    beside = queued_alpha(beside_s, queued, workers=workers)
+    # the ring runs two at a time since its probe measures it beside a transfer (2026-11-29)
+    overlap = GLOO_CONCURRENT + (("reduce_scatter",) if "reduce_scatter" in beside_s else ())
+    return replace(net, queued_alpha=queued, queued_overlap=overlap, beside_alpha=beside)
 
 
 #: Kinds a gloo process group runs two at a time: its collectives go to a pool of two worker
-#: threads (torch's default), and lowcomm's reduce-scatter on gloo (:mod:`lowcomm.comm.ring`)
-#: runs two rings at once, so a queued one's latency overlaps the transfer of the one before.
-#: Measured: without this, the simulator put ``wfbp`` and ``lee18`` (one collective per layer)
-#: 9-18 % above emulated-compute runs, with it 2-10 % (docs/benchmarks.md, "Reduce-scatter on
-#: gloo, and the schedules again"); the ring's second thread: docs/simulator.md 5.3.
-GLOO_CONCURRENT = ("all_reduce", "all_gather", "reduce_scatter")
+#: threads (torch's default), so a queued one's latency overlaps the transfer of the one
+#: before. Measured: without this, the simulator put ``wfbp`` and ``lee18`` (one collective
+#: per layer) 9-18 % above emulated-compute runs, with it 2-10 % (docs/benchmarks.md,
+#: "Reduce-scatter on gloo, and the schedules again"). lowcomm's reduce-scatter on gloo
+#: (:mod:`lowcomm.comm.ring`) joins them where the probe timed it beside a transfer: it runs
+#: two rings at once since then, one before (recorded runs keep their model).
+GLOO_CONCURRENT = ("all_reduce", "all_gather")
 
 
 def queued_alpha(stream_s: Mapping[str, float], alpha: Mapping[str, float], *, workers: int) -> dict[str, float]:
