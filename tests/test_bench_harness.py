@@ -199,7 +199,7 @@ def test_rows_get_the_simulators_prediction_calibrated_by_nocomm(tmp_path: Path)
 
     cfg = config(tmp_path, ["ssgd", "torch_fp16"], predict=True)
     result = harness.run_bench(cfg, launcher=launcher, profiler=lambda c: prof, collective_probe=probe,
-                               contention_probe=lambda c, cluster: 0.0)
+                               contention_probe=lambda c, cluster: {"cpu_s_per_wire_byte": 0.0})
     rows = {r["method"]: r for r in result["runs"]}
     assert len(probe_calls) == 1
     pred = result["network"]["prediction"]

@@ -117,9 +117,8 @@ def _worker(out: str, wire_bytes: int, reps: int, threads: int) -> None:
             f = ops(elems, local)[kind]
             payload = 4 * (local if kind == "all_gather" else elems)
             large[kind] = [payload, _time(f, 3, 1)]
-        for kind, (elems, local) in (("all_reduce", (ar, 1)), ("reduce_scatter", (rs, 1)), ("all_gather", (p, ag))):
-            f = ops(elems, local)[kind]  # what runs two at a time (gloo's threads, the ring's)
-            beside[kind] = max(0.0, (_time(_behind(f, tiny[kind]), 3, 1) - _time(f, 3, 1)) / STREAM)
+            # every kind runs two at a time (gloo's threads, the ring's): tiny ones behind it
+            beside[kind] = max(0.0, (_time(_behind(f, tiny[kind]), 3, 1) - large[kind][1]) / STREAM)
     dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps({"workers": p, "threads": threads, "reps": reps,

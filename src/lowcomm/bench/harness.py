@@ -129,7 +129,7 @@ def run_bench(
     log: Callable[[str], None] | None = None,
     profiler: Callable[[BenchConfig], Any] | None = None,
     collective_probe: Callable[..., dict[str, Any]] | None = None,
-    contention_probe: Callable[[BenchConfig, netns.Cluster | None], float | dict[str, float]] | None = None,
+    contention_probe: Callable[[BenchConfig, netns.Cluster | None], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Run every method on every network; return the result dict (see DESIGN.md section 3).
 
@@ -227,8 +227,7 @@ def run_bench(
                     # 1 Gbit/s and 40x at 100 Mbit/s here (docs/simulator.md 5.2)
                     say("  measuring the CPU gloo's threads take from compute on this network ...")
                     try:
-                        found = (contention_probe or gloo_contention)(cfg, cluster)
-                        contention = found if isinstance(found, dict) else {"cpu_s_per_wire_byte": float(found)}
+                        contention = (contention_probe or gloo_contention)(cfg, cluster)
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:  # noqa: BLE001 - predictions are an extra
