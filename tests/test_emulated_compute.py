@@ -202,6 +202,7 @@ def _write_profile(tmp_path: Path, batch_size: int = 16) -> Path:
     ("PROFILE", [], "add --no-eval"),
     ("PROFILE", ["--no-eval", "--batch-size", "8"], "measured at batch 16 per worker but this run has --batch-size 8"),
     ("PROFILE", ["--no-eval", "--model", "cnn1d"], "does not describe this model"),
+    ("emulated:scale=20", ["--no-eval", "--method", "torch_fsdp"], "cannot run torch_fsdp (FSDP gathers"),
 ])
 def test_bad_compute_is_one_line_and_exit_2(tmp_path: Path, compute: str, extra: list[str], message: str,
                                             capsys: pytest.CaptureFixture[str]) -> None:
