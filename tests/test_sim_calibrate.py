@@ -135,6 +135,7 @@ def test_phase_calibration_gives_each_phase_its_measured_share_and_the_rest_to_t
     assert scaled.forward_s == pytest.approx(0.06 * 1.5)
     assert scaled.backward_s == pytest.approx(0.14 * 1.5)
     assert scaled.optimizer_s == pytest.approx((0.02 + 0.12) * 1.5)
+    assert scaled.optimizer_step_s == pytest.approx(0.12 * 1.5)  # the step itself, inside the rest
     # each layer keeps its share of its phase; compression kernels scale by the overall factor
     assert scaled.layers[0].forward_s / scaled.layers[1].forward_s == pytest.approx(2.0)
     assert scaled.costs.topk_s_per_elem == pytest.approx(2e-9 * factor)

@@ -247,6 +247,8 @@ def calibrate_phases(profile: Profile, measured_nocomm_s: float, breakdown: Mapp
     out.optimizer_s = 0.0  # the rest: what nocomm takes beyond the layers (and the schedule's own sync)
     predicted = predict_iteration_time(out, "nocomm", workers=workers, network=network).iter_time_s
     out.optimizer_s = max(0.0, measured_nocomm_s - predicted)
+    step = float(breakdown.get("optimizer") or 0.0) * share  # the measured optimizer phase: the step itself
+    out.optimizer_step_s = min(step, out.optimizer_s) if step > 0 else None
     _append_note(out, "compute calibrated per phase (forward, backward, the rest) to the measured nocomm run")
     return out, factor
 
@@ -258,6 +260,8 @@ def _scale_phases(profile: Profile, forward: float, backward: float, factor: flo
         layer.forward_s *= forward
         layer.backward_s *= backward
     profile.optimizer_s *= factor
+    if profile.optimizer_step_s is not None:
+        profile.optimizer_step_s *= factor
     _scale_costs(profile, factor)
     if profile.factorized is not None:
         _scale_phases(profile.factorized, forward, backward, factor)

@@ -68,6 +68,7 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
         schedule.replay = list(plan)
     sim = Sim(schedule.profile_for(profile), int(workers), network, bucket_mb=bucket_mb,
               first_bucket_mb=first_bucket_mb)
+    sim.optimizer_s = schedule.optimizer_s(sim.profile, sim.p)
     schedule.setup(sim)
     for it in range(1, iterations + 1):
         schedule.iteration(sim, it)

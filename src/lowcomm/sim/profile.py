@@ -77,6 +77,10 @@ class Profile:
     compressors: dict[str, dict[str, float]] = field(default_factory=dict)
     factorized: Profile | None = None
     notes: str = ""
+    #: the optimizer's own step inside ``optimizer_s`` (a calibrated profile's ``optimizer_s`` is
+    #: all the host-side rest of an iteration: :func:`lowcomm.sim.calibrate.calibrate_phases`);
+    #: None: ``optimizer_s`` is the step
+    optimizer_step_s: float | None = None
 
     # -- derived --------------------------------------------------------------------------
     @property
@@ -113,6 +117,7 @@ class Profile:
             "batch_size": self.batch_size,
             "device": self.device,
             "optimizer_s": self.optimizer_s,
+            **({"optimizer_step_s": self.optimizer_step_s} if self.optimizer_step_s is not None else {}),
             "bytes_per_elem": self.bytes_per_elem,
             "costs": asdict(self.costs),
             "compressors": self.compressors,
@@ -176,6 +181,7 @@ class Profile:
                          for k, v in (d.get("compressors") or {}).items()},
             factorized=cls.from_dict(fact, where=f"{where}.factorized") if fact else None,
             notes=str(d.get("notes", "")),
+            optimizer_step_s=None if d.get("optimizer_step_s") is None else float(d["optimizer_step_s"]),
         )
 
     def save(self, path: str | Path) -> None:

@@ -62,6 +62,11 @@ class Bucket:
         return min(t.layer for t in self.tensors)
 
 
+#: an SGD step's time without its momentum, as a share of the step with it (bytes moved per
+#: parameter with weight decay, 24 of 44: :meth:`Schedule.optimizer_s`)
+STEP_WITHOUT_MOMENTUM = 24 / 44
+
+
 class Sim:
     """Shared state of one simulation run: the profile, P, network, timeline, priced kernels."""
 
@@ -79,6 +84,8 @@ class Sim:
         self.tl = Timeline()
         self.bpe = profile.bytes_per_elem
         self.c = profile.costs
+        #: seconds of one optimizer step (the schedule's :meth:`Schedule.optimizer_s`, set by ``simulate``)
+        self.optimizer_s = profile.optimizer_s
 
     # -- model ---------------------------------------------------------------------------
     def tensors_backward(self) -> list[GradTensor]:
@@ -202,6 +209,26 @@ class Schedule(ABC):
     def profile_for(self, profile: Profile) -> Profile:
         """The profile whose model this method trains (Pufferfish: the factorized one)."""
         return profile
+
+    def carries_momentum(self, workers: int) -> bool:
+        """Its codec keeps SGD's momentum (momentum correction, on by default where a codec
+        has it), so the optimizer steps without one."""
+        return self.codec is not None and self.codec.codec(workers).momentum_factor != 0.0
+
+    def optimizer_s(self, profile: Profile, workers: int) -> float:
+        """Seconds of the optimizer step on ``profile`` (the model as trained).
+
+        With a codec that carries the momentum, SGD has no momentum buffer to update: of the
+        44 bytes per parameter torch's SGD step moves with momentum and weight decay (the decay
+        12, the buffer's scale and add 8 + 12, the update 12) it moves 24, so the step costs
+        :data:`STEP_WITHOUT_MOMENTUM` of its measured time (memory-bound). The codec's velocity
+        does that work instead, and its measured price includes it: keeping it in the optimizer
+        too counted it twice (emulated ResNet-50, 4 workers: gTop-k's optimizer phase 53-58 ms
+        against 100-105 ms for ``nocomm``; docs/simulator.md 5.3)."""
+        if not self.carries_momentum(workers):
+            return profile.optimizer_s
+        step = profile.optimizer_s if profile.optimizer_step_s is None else profile.optimizer_step_s
+        return max(0.0, profile.optimizer_s - (1.0 - STEP_WITHOUT_MOMENTUM) * step)
 
     def setup(self, sim: Sim) -> None:  # noqa: B027 - optional hook, not abstract
         """Plan buckets/groups once per run (nothing to plan by default)."""

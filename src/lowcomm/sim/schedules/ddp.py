@@ -70,7 +70,7 @@ class BucketSchedule(Schedule):
         if self.codec is not None:  # the engine decodes in finish_sync, in launch order
             pending += [self.codec.deferred_decode(sim, it, b, cost, task)
                         for b, cost, task in self.arrivals]
-        sim.tl.add("opt", "compute", sim.profile.optimizer_s, kind="optimizer", iteration=it,
+        sim.tl.add("opt", "compute", sim.optimizer_s, kind="optimizer", iteration=it,
                    after=pending)
 
 
@@ -141,6 +141,10 @@ class Pufferfish(Schedule):
                              "(key 'factorized'); re-run 'lowcomm profile' where lowcomm.lowrank "
                              "is available or add it by hand")
         return profile.factorized
+
+    def carries_momentum(self, workers: int) -> bool:
+        """Whether the inner method's codec keeps the momentum."""
+        return self.inner.carries_momentum(workers)
 
     def setup(self, sim: Sim) -> None:
         """The inner method's plan, on the factorized model."""

@@ -272,6 +272,7 @@ class DeAR(_ShardedSchedule):
         for j in range(self.TUNE_GRID + 1):
             mb = lo * (hi / lo) ** (j / self.TUNE_GRID)
             trial = Sim(sim.profile, sim.p, sim.net)
+            trial.optimizer_s = sim.optimizer_s
             probe = DeAR(_Fixed(mb), self.codec)
             probe.setup(trial)
             for it in range(1, 5):
@@ -303,7 +304,7 @@ class DeAR(_ShardedSchedule):
         if g in self.carried:
             last = sim.compute(f"dec.g{g}", self.carried[g][1], it, after=[ag])
         share = sum(sim.profile.layers[i].numel for i in self.groups[g]) / max(sim.profile.numel, 1)
-        return sim.compute(f"upd.g{g}", sim.profile.optimizer_s * share, it, kind="optimizer",
+        return sim.compute(f"upd.g{g}", sim.optimizer_s * share, it, kind="optimizer",
                            after=[last])
 
 

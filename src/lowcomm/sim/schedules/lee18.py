@@ -60,7 +60,7 @@ class Lee18(_ShardedSchedule):
     def update_s(self, sim: Sim, g: int) -> float:
         """Seconds of group ``g``'s shard update: its share of ``optimizer_s / P``."""
         share = sum(sim.profile.layers[i].numel for i in self.groups[g]) / max(sim.profile.numel, 1)
-        return sim.profile.optimizer_s * share / sim.p
+        return sim.optimizer_s * share / sim.p
 
     def snapshot_s(self, sim: Sim, g: int) -> float:
         """Seconds of the copy ``update=layer`` keeps to undo a skipped step: group ``g``'s
@@ -99,7 +99,7 @@ class Lee18(_ShardedSchedule):
     def after_reduce_scatter(self, sim: Sim, it: int, sync: Task) -> None:
         """Update this rank's shard (what backward did not), all-gather the parameters."""
         # what backward did not update (layers outside the groups, e.g. model-parallel, too)
-        seconds = sim.profile.optimizer_s / sim.p - sum(self.update_s(sim, g) for g in self.updated)
+        seconds = sim.optimizer_s / sim.p - sum(self.update_s(sim, g) for g in self.updated)
         self.inflight, self.updated = [], []
         upd = sim.compute("upd.shard", seconds, it + 1, kind="optimizer", after=[sync])
         if self.groups:  # the rest are issued a window ahead in the forward

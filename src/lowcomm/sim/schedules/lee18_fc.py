@@ -153,7 +153,7 @@ class Lee18FC(Lee18):
             )
             sync = sim.compute(
                 "upd.fc",
-                sim.profile.optimizer_s * share / sim.p,
+                sim.optimizer_s * share / sim.p,
                 it + 1,
                 kind="optimizer",
                 after=[sync],

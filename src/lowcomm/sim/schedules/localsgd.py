@@ -122,6 +122,7 @@ class LocalSGDSchedule(Schedule):
             first_bucket_mb=sim.first_bucket_bytes / MIB,
         )
         self.inner_sim.tl = sim.tl  # one timeline: the outer sync follows the inner step
+        self.inner_sim.optimizer_s = self.inner.optimizer_s(self.inner_sim.profile, g)
         self.inner.setup(self.inner_sim)
         leaders = dataclasses.replace(sim.net, intra=None, gpus_per_node=1, algorithm="ring")
         return Sim(sim.profile, nodes, leaders), 1.0 / g
@@ -165,7 +166,7 @@ class LocalSGDSchedule(Schedule):
             sim.forward_layer(i, it, after=[self.sync_task] if i == 0 else ())
         for i in reversed(range(len(sim.profile.layers))):
             sim.backward_layer(i, it)
-        opt = sim.tl.add("opt", "compute", sim.profile.optimizer_s, kind="optimizer", iteration=it)
+        opt = sim.tl.add("opt", "compute", sim.optimizer_s, kind="optimizer", iteration=it)
         if self.compress_s:
             sim.compute("outer.compress", self.compress_s, it, after=[opt])
         self.sync_task = sim.tl.add(
