@@ -30,7 +30,6 @@ hooks) gets ``prediction_note`` instead.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any
 
 from lowcomm.errors import UsageError
