@@ -104,6 +104,8 @@ class Method:
     Options: ClassVar[type] = NoOptions
     #: True for methods that exist only for measurement (e.g. no communication at all).
     timing_only: ClassVar[bool] = False
+    #: why ``--compute emulated`` cannot run this method (empty: it can), said before any worker starts
+    emulated_compute_refusal: ClassVar[str] = ""
 
     def __init__(self, options: Any = None) -> None:
         self.options = options if options is not None else self.Options()

@@ -191,6 +191,10 @@ class TorchFSDP(Method):
 
     name = "torch_fsdp"
     timing_only = True
+    # FSDP2 gathers a block's parameters in the block's forward hook; the emulated model calls its
+    # parameterized layers one after the other, never the blocks, so the layers would see sharded
+    # parameters and the optimizer unreduced gradients
+    emulated_compute_refusal = "FSDP gathers each block's parameters in the block's forward, which emulated layers skip"
 
     def wrap(self, model: nn.Module, ctx: MethodContext) -> nn.Module:
         """Shard every unit of :func:`shard_units`, then the root; FSDP's collectives counted."""

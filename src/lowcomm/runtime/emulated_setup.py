@@ -44,7 +44,8 @@ def compute_of(cfg: TrainConfig) -> ComputeSpec:
 def check_config(cfg: TrainConfig) -> None:
     """Refuse, before any worker starts, what emulated compute cannot run: evaluation (the
     emulated model computes nothing, its accuracy would be meaningless), K-FAC (it reads the
-    layers' real activations), FSDP (below), a profile file that is no profile."""
+    layers' real activations), a method that says it cannot be emulated
+    (``Method.emulated_compute_refusal``: FSDP), a profile file that is no profile."""
     spec = compute_of(cfg)
     if not spec.emulated:
         return
@@ -54,12 +55,12 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.kfac is not None:
         raise UsageError(f"--compute {spec.text} cannot run K-FAC (it needs the layers' real activations); "
                          "use --compute real")
-    if cfg.method.strip().partition(":")[0].strip().lower() == "torch_fsdp":
-        # FSDP2 gathers a block's parameters in the block's forward hook; the emulated model
-        # calls its parameterized layers one after the other, never the blocks, so the layers
-        # would see sharded parameters and the optimizer unreduced gradients.
-        raise UsageError(f"--compute {spec.text} cannot run torch_fsdp (FSDP gathers each block's parameters "
-                         "in the block's forward, which emulated layers skip); use --compute real")
+    from lowcomm.methods import method_class, split_spec
+
+    name = split_spec(cfg.method)[0]
+    refusal = method_class(name).emulated_compute_refusal
+    if refusal:
+        raise UsageError(f"--compute {spec.text} cannot run {name} ({refusal}); use --compute real")
     if spec.path is not None:
         _check_batch(Profile.load(spec.path), cfg.batch_size, spec)
 
