@@ -116,11 +116,15 @@ def test_profiler_times_codecs_on_the_models_own_gradients(monkeypatch: pytest.M
     monkeypatch.setattr(profiler, "_encode_s", encode_s)
     monkeypatch.setattr(profiler, "_decode_s", lambda *a, **k: (1e-3, "all_reduce"))
     monkeypatch.setattr(profiler, "measure_costs", lambda *a, **k: profiler.ComputeCosts())
+    hooks_seen: list[list[list[int]]] = []
+    monkeypatch.setattr(profiler, "measure_torch_hooks",
+                        lambda shapes, *a, **k: hooks_seen.append([list(s) for s in shapes]) or {})
     model = nn.Sequential(nn.Conv1d(2, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6, 4))
     x, y = torch.randn(4, 2, 8), torch.randint(0, 4, (4,))
     prof = profile_model(model, lambda: (x, y), nn.functional.cross_entropy, model_name="c",
                          batch_size=4, warmup=1, iters=2)
     numel = sum(p.numel() for p in model.parameters())
+    assert hooks_seen == [[[8, 2, 3], [8], [4, 48], [4]]]  # PyTorch's hooks on the same gradients
     assert seen and all(n == numel for n, _ in seen)
     assert seen[0][1] == [[8, 2, 3], [8], [4, 48], [4]]
     assert all(e["encode_s_per_elem"] == pytest.approx(1e-3 / numel) for e in prof.compressors.values())

@@ -97,6 +97,13 @@ def plan_of(row: dict[str, Any]) -> list[int] | None:
     return [int(n) for n in sizes] if sizes else None
 
 
+def bucket_mb_of(row: dict[str, Any]) -> float:
+    """The DDP bucket cap a row's run used (``method_info``; DDP's 25 MB when not reported):
+    ``torch_powersgd`` runs one bucket on gloo, and a simulator with 25 MB buckets would
+    overlap its factors' rounds with backward where the run could not."""
+    return float((row.get("method_info") or {}).get("bucket_cap_mb") or 25.0)
+
+
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
                     workers: int, nproc_per_node: int = 1, contention_s_per_byte: float = 0.0,
                     contention_s_per_collective: float = 0.0, cpu_share: float = 1.0) -> dict[str, Any]:
@@ -144,12 +151,14 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
             try:
-                pred = predict_iteration_time(use, spec, workers=workers, network=shared, plan=plan)
+                pred = predict_iteration_time(use, spec, workers=workers, network=shared, plan=plan,
+                                              bucket_mb=bucket_mb_of(r))
             except UsageError as e:  # a plan that does not fit the profile: the simulator plans
                 if plan is None:
                     raise
                 r["prediction_note"] = f"the run's plan was not replayed: {e}"
-                pred = predict_iteration_time(use, spec, workers=workers, network=shared)
+                pred = predict_iteration_time(use, spec, workers=workers, network=shared,
+                                              bucket_mb=bucket_mb_of(r))
         except UsageError as e:
             r["predicted_iter_time_s"] = None
             r["prediction_note"] = str(e)

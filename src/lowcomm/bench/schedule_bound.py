@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowcomm.bench.prediction import bucket_mb_of
 from lowcomm.errors import UsageError
 
 
@@ -60,7 +61,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
     whose bounds :func:`lowcomm.bench.bounds.derive` filled); return what was used.
 
     A row gets None and ``schedule_bound_note`` when the simulator has no schedule for its
-    method (PyTorch's reference hooks) or the run had no ``nocomm`` reference.
+    method (``torch_fsdp``) or the run had no ``nocomm`` reference.
     """
     from lowcomm.sim import predict_iteration_time
     from lowcomm.sim.calibrate import calibrate_phases, scale_compression, scale_profile
@@ -90,7 +91,8 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
                     raise UsageError(f"its compute reference {ref!r} did not run")
                 own = predict_iteration_time(profile, ref, workers=workers, network=net).iter_time_s
                 profiles[ref] = scale_compression(scale_profile(profile, measured[ref] / own), 0.0)
-            sim = predict_iteration_time(profiles[ref], r.get("spec_run") or r["method"], workers=workers, network=net)
+            sim = predict_iteration_time(profiles[ref], r.get("spec_run") or r["method"], workers=workers, network=net,
+                                         bucket_mb=bucket_mb_of(r))
         except UsageError as e:
             r["schedule_bound_note"] = str(e)
             continue

@@ -42,6 +42,12 @@ def codec_of(spec: str) -> tuple[str, dict[str, Any]] | None:
     opts = method.options
     if method.name in CODECS.names():
         return method.name, _as_dict(opts)
+    from lowcomm.sim.schedules import make_schedule
+    from lowcomm.sim.schedules.reference import HOOKS
+
+    if method.name in HOOKS:  # PyTorch's own hooks: lowcomm's codec of the same payload
+        plan = make_schedule(spec).codec
+        return (plan.name, _as_dict(plan.options)) if plan is not None else None
     name = str(getattr(opts, "compress", "none") or "none").strip().lower()
     if name in ("", "none"):
         return None

@@ -230,8 +230,12 @@ class Method:
         """Restore :meth:`state_dict`; called before :meth:`prepare` and :meth:`wrap`."""
 
     def describe(self) -> dict[str, Any]:
-        """The method and its options, for the training summary (``method_info``)."""
-        return {"method": self.name, "options": dataclasses.asdict(self.options)}
+        """The method and its options, for the training summary (``method_info``); with DDP,
+        the bucket cap it ran with (a simulator replaying the run needs the same buckets)."""
+        out: dict[str, Any] = {"method": self.name, "options": dataclasses.asdict(self.options)}
+        if isinstance(self.ddp, nn.parallel.DistributedDataParallel) and self.ctx is not None:
+            out["bucket_cap_mb"] = self.ctx.bucket_cap_mb
+        return out
 
 
 def _convert(value: str, annotation: Any, key: str, method: str) -> Any:

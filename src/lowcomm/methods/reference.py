@@ -8,9 +8,12 @@ shard-grad-op mode) is the closest existing engine to DeAR and Lee et al. 2018.
 Bytes must be counted like ours, but these call ``torch.distributed`` themselves; so, in the
 worker process only, the ``dist`` name of the hook modules (and of FSDP's collectives module)
 is pointed at a proxy that forwards every attribute to ``torch.distributed`` and routes the
-collectives through :mod:`lowcomm.comm.accounting`. Their code is not modified. They report no
-separate compression time: their encode and decode work is inside ``backward`` /
-``comm_wait`` of the breakdown. On gloo, ``torch_powersgd`` runs with one DDP bucket (see
+collectives through :mod:`lowcomm.comm.accounting`. Their code is not modified. The part of a
+hook that runs before it returns its future (``fp16``'s cast, PowerSGD's error feedback and P
+factors) is reported as ``compress``, device work as lowcomm's own hooks report theirs, so
+emulated compute makes the next layers wait for it as a GPU's stream would (unreported, it
+hid inside the emulated backward's waits); what runs in the future's callbacks (the decode,
+PowerSGD's Q factors) stays inside ``comm_wait``. On gloo, ``torch_powersgd`` runs with one DDP bucket (see
 :meth:`TorchPowerSGD.wrap`).
 
 ``torch_fsdp``: gradients are reduce-scattered during backward and parameters all-gathered
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -40,6 +44,7 @@ from lowcomm.comm import accounting
 from lowcomm.errors import UsageError
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext
+from lowcomm.runtime import timing
 
 
 class CountingDist:
@@ -86,6 +91,21 @@ class _CountingFSDPDist(CountingDist):
         kind = "all_reduce" if backend == "gloo" else "reduce_scatter"
         accounting.ledger().record("reduce_scatter", "torch_fsdp.rs", nbytes, accounting.wire_bytes(kind, nbytes, world))
         return dist.reduce_scatter_single(output=output, input=input, group=group, op=op, async_op=async_op)
+
+
+def _timed(hook: Any) -> Any:
+    """``hook`` with the time until it returns its future reported as ``compress`` (device work)."""
+
+    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+        fut = hook(state, bucket)
+        timing.add("compress", time.perf_counter() - start)
+        return fut
+
+    # DDP checks the annotations as objects; this module's are strings (postponed evaluation)
+    timed.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                             "return": torch.futures.Future[torch.Tensor]}
+    return timed
 
 
 def _count_in(module: ModuleType, proxy: CountingDist) -> None:
@@ -156,7 +176,7 @@ class TorchPowerSGD(Method):
             warm_start=o.warm_start,
             random_seed=self.ctx.seed if self.ctx else 0,
         )
-        ddp.register_comm_hook(state, ps.powerSGD_hook)
+        ddp.register_comm_hook(state, _timed(ps.powerSGD_hook))
 
 
 @register
@@ -170,7 +190,8 @@ class TorchFP16(Method):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         _count_in(default_hooks, CountingDist("torch_fp16"))
-        ddp.register_comm_hook(self.ctx.process_group if self.ctx else None, default_hooks.fp16_compress_hook)
+        ddp.register_comm_hook(self.ctx.process_group if self.ctx else None,
+                               _timed(default_hooks.fp16_compress_hook))
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -27,6 +27,7 @@ from torch import nn
 from lowcomm.compress.codec import CODECS, Codec, Layout, Message, codec_class
 from lowcomm.compress.feedback import finite_flag
 from lowcomm.compress.steady import final_message, primed, received, step_offsets
+from lowcomm.sim.hook_timing import measure_torch_hooks
 from lowcomm.sim.profile import ComputeCosts, LayerProfile, Profile
 
 
@@ -242,7 +243,8 @@ def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.T
 
 def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20, reps: int = 3,
                         shapes: Sequence[Sequence[int]] | None = None) -> dict[str, dict[str, float]]:
-    """Encode/decode seconds per element of every registered codec (:data:`CODECS`).
+    """Encode/decode seconds per element of every registered codec (:data:`CODECS`), and
+    the seconds of PyTorch's own hooks (:func:`~lowcomm.sim.hook_timing.measure_torch_hooks`).
 
     Why per codec and not per kernel: a codec's encode and decode are several kernels plus
     their state (error feedback, momentum, packing) and cost more than the constants of
@@ -281,4 +283,5 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
         else:
             entry["decode_s_per_elem"] = lo / numel
         out[name] = entry
+    out.update(measure_torch_hooks(shapes, device, reps=reps))  # PyTorch's own hooks, timed whole
     return out

@@ -12,6 +12,8 @@ order the training code issues them, with the same overlap rules as the code:
   by the α-β rule), ``dear`` (reduce-scatter in backward, all-gathers hidden behind the next
   forward), ``lee18`` (sharded update, parameters all-gathered in the next forward); each
   takes ``compress=<codec>`` with the codec's own options beside the engine's.
+* PyTorch's own comm hooks, ``torch_fp16`` and ``torch_powersgd`` (:mod:`.reference`): the
+  DDP schedule carrying the lowcomm codec of the same payload, priced as torch kernels.
 * ``hier`` (:mod:`.hier`): engine groups whose all-reduce is flat, hierarchical or hybrid on
   the network's two-level topology; codec rounds with a ``scope`` run on their node-level
   group (:meth:`~lowcomm.sim.network.NetworkModel.scoped`).
@@ -36,6 +38,7 @@ from lowcomm.sim.schedules.lee18 import Lee18
 from lowcomm.sim.schedules.hier import Hier
 from lowcomm.sim.schedules.lee18_fc import Lee18FC
 from lowcomm.sim.schedules.localsgd import DiLoCoSchedule, LocalSGDSchedule, StreamingDiLoCoSchedule
+from lowcomm.sim.schedules.reference import TorchFP16, TorchPowerSGD
 
 #: schedules of the methods that are not a codec by itself
 SCHEDULES: dict[str, type[Schedule]] = {
@@ -43,6 +46,7 @@ SCHEDULES: dict[str, type[Schedule]] = {
 }
 SCHEDULES.update({cls.name: cls for cls in (LocalSGDSchedule, DiLoCoSchedule, StreamingDiLoCoSchedule)})
 SCHEDULES[Lee18FC.name] = Lee18FC  # lee18 with its fc= option (model-parallel FC layers)
+SCHEDULES.update({cls.name: cls for cls in (TorchFP16, TorchPowerSGD)})  # PyTorch's own hooks
 
 
 def method_names() -> list[str]:

@@ -35,10 +35,14 @@ TAGS = {"all_reduce": "ar", "all_gather": "ag", "p2p": "x", "reduce_scatter": "r
 class CodecPlan:
     """One codec bound to its options: per-bucket cost, priced phases, emitted tasks."""
 
-    def __init__(self, name: str, options: Any = None) -> None:
+    def __init__(self, name: str, options: Any = None, *, timed_as: str | None = None) -> None:
         self.name = name
         self.cls = codec_class(name)
         self.options = options
+        #: the entry of ``profile.compressors`` holding this plan's measured times (None: the
+        #: codec's own; another library's kernels carrying the same payload have their own,
+        #: :mod:`.reference`); without it the declared work is priced
+        self.timed_as = timed_as or name
         self._by_world: dict[tuple[int, int], Codec] = {}
 
     def check_pairing(self, mode: Mode, schedule: str) -> None:
@@ -74,16 +78,29 @@ class CodecPlan:
         return self.codec(sim.p, lv[1] if lv else None).cost(b.shapes, world=sim.p, dtype_bytes=sim.bpe,
                                                              step=it - 1)
 
+    def measured(self, sim: Sim) -> dict[str, float]:
+        """The profile's measured times of this plan (empty: price the declared work)."""
+        return sim.profile.compressors.get(self.timed_as) or {}
+
     def encode_s(self, sim: Sim, b: Bucket, cost: CodecCost) -> float:
-        """Seconds of the encode: measured if the profile has it, else the priced work."""
-        measured = sim.profile.compressors.get(self.name) or {}
+        """Seconds of the encode: measured if the profile has it, else the priced work. A
+        hook timed whole (``hook_s_per_elem``, :mod:`lowcomm.sim.hook_timing`) is all here."""
+        measured = self.measured(sim)
+        if "hook_s_per_elem" in measured:
+            return b.numel * measured["hook_s_per_elem"]
         if "encode_s_per_elem" in measured:
             return b.numel * measured["encode_s_per_elem"]
         return sim.price(cost.encode)
 
+    def round_s(self, sim: Sim, r: Round) -> float:
+        """Seconds of a round's ``then`` before the last (priced; in a hook timed whole, 0)."""
+        return 0.0 if "hook_s_per_elem" in self.measured(sim) else sim.price(r.then)
+
     def decode_s(self, sim: Sim, b: Bucket, last: Round) -> float:
         """Seconds of the final round's ``then`` (the decode): measured or priced."""
-        measured = sim.profile.compressors.get(self.name) or {}
+        measured = self.measured(sim)
+        if "hook_s_per_elem" in measured:
+            return 0.0
         if "decode_s_per_elem" in measured:
             per = measured["decode_s_per_elem"] + sim.p * measured.get("decode_s_per_elem_per_worker", 0.0)
             return b.numel * per
@@ -116,7 +133,7 @@ class CodecPlan:
                                       algorithm=algorithm if collective == "all_reduce" else None)
             if final and (last_as or defer):
                 break
-            seconds = self.decode_s(sim, b, r) if final else sim.price(r.then)
+            seconds = self.decode_s(sim, b, r) if final else self.round_s(sim, r)
             name = f"dec.b{k}" if final else f"after.{tag}.b{k}"
             if r.blocking or collective == "none":
                 last = sim.compute(name, seconds, it, after=[last])
