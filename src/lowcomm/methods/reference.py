@@ -102,10 +102,15 @@ def _timed(hook: Any) -> Any:
         timing.add("compress", time.perf_counter() - start)
         return fut
 
-    # DDP checks the annotations as objects; this module's are strings (postponed evaluation)
-    timed.__annotations__ = {"state": object, "bucket": dist.GradBucket,
-                             "return": torch.futures.Future[torch.Tensor]}
-    return timed
+    return as_comm_hook(timed)
+
+
+def as_comm_hook(fn: Any) -> Any:
+    """``fn`` with the annotations DDP's ``register_comm_hook`` checks, as objects: a hook
+    defined under postponed evaluation (``from __future__ import annotations``) has strings."""
+    fn.__annotations__ = {"state": object, "bucket": dist.GradBucket,
+                          "return": torch.futures.Future[torch.Tensor]}
+    return fn
 
 
 def _count_in(module: ModuleType, proxy: CountingDist) -> None:

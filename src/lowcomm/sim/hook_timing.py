@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowcomm.methods.reference import as_comm_hook
+
 #: the rank ``powerSGD_hook`` is measured at (the method's default); another rank's hook has no
 #: entry in ``Profile.compressors`` and is priced from the kernel constants
 POWERSGD_RANK = 4
@@ -68,7 +70,7 @@ def measure_torch_hooks(shapes: Sequence[Sequence[int]], device: torch.device | 
             powersgd_key(POWERSGD_RANK): {"hook_s_per_elem": low_rank / numel}}
 
 
-def _hook_seconds(shapes: Sequence[Sequence[int]], device: torch.device, state: Any,
+def _hook_seconds(shapes: Sequence[Sequence[int]], device: torch.device, hook_state: Any,
                   hook: Callable[[Any, Any], Any], reps: int) -> float:
     """Median seconds of ``hook`` on one DDP bucket holding gradients of ``shapes``."""
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -79,7 +81,7 @@ def _hook_seconds(shapes: Sequence[Sequence[int]], device: torch.device, state: 
                                               bucket_cap_mb=1e5)
     spans: list[float] = []
 
-    def timed(hook_state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def timed(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         start = time.perf_counter()
 
         def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
@@ -88,12 +90,9 @@ def _hook_seconds(shapes: Sequence[Sequence[int]], device: torch.device, state: 
             spans.append(time.perf_counter() - start)
             return fut.value()
 
-        return hook(hook_state, bucket).then(done)
+        return hook(state, bucket).then(done)
 
-    # DDP checks the annotations as objects; this module's are strings (postponed evaluation)
-    timed.__annotations__ = {"hook_state": object, "bucket": dist.GradBucket,
-                             "return": torch.futures.Future[torch.Tensor]}
-    ddp.register_comm_hook(state, timed)
+    ddp.register_comm_hook(hook_state, as_comm_hook(timed))
     for _ in range(WARM_STEPS + reps):
         ddp().backward()
         for p in params:
