@@ -37,9 +37,11 @@ def refill(run: dict[str, Any], prof: Any) -> None:
         contention = recorded.get("contention_s_per_wire_byte") or 0.0
         per_collective = recorded.get("contention_s_per_collective") or 0.0
         share = recorded.get("emulated_compression_share") or here
+        shared = (run.get("prediction") or {}).get("shared_compressors")  # emulated runs since 2026-11-29
         net["prediction"] = prediction.add_predictions(rows, prof, net, workers=workers, nproc_per_node=per_node,
                                                        contention_s_per_byte=contention,
-                                                       contention_s_per_collective=per_collective, cpu_share=share)
+                                                       contention_s_per_collective=per_collective, cpu_share=share,
+                                                       shared_compressors=shared)
         if any("lower_bound_s" in r for r in rows):  # bounds only where the bench derived them
             net["schedule_bound"] = schedule_bound.add_schedule_bounds(rows, prof, net, workers=workers,
                                                                        nproc_per_node=per_node)

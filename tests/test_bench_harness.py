@@ -340,3 +340,28 @@ def test_contention_is_measured_on_each_network_where_its_rows_run(tmp_path: Pat
     assert ks == [pytest.approx(1e-9), pytest.approx(2e-9)]
     floors = [info["prediction"]["contention_s_per_collective"] for info in result["networks"]]
     assert floors == [pytest.approx(1e-3), pytest.approx(2e-3)]
+
+
+def test_with_emulated_compute_the_codecs_are_timed_together_and_price_the_rows(tmp_path: Path) -> None:
+    from lowcomm.sim import LayerProfile, Profile
+
+    prof = Profile(model="cnn1d", batch_size=16, optimizer_s=0.0,
+                   layers=[LayerProfile("a", 0.01, 0.02, [[500, 1000]]), LayerProfile("b", 0.01, 0.01, [[1000]])])
+    calls: list[tuple[list[list[int]], int]] = []
+    table = {"fp16": {"encode_s_per_elem": 1e-7, "decode_s_per_elem": 1e-7}}
+
+    def compress_probe(shapes: list[list[int]], workers: int, **kw: Any) -> dict[str, dict[str, float]]:
+        calls.append(([list(s) for s in shapes], workers))
+        return table
+
+    def probe(cfg: harness.BenchConfig, cluster: Any, bits: float, work: Path) -> dict[str, Any]:
+        return {"workers": 2, "small_s": {"all_reduce": 2e-3}, "large": {"all_reduce": [4_000_000, 0.5]}}
+
+    cfg = config(tmp_path, ["fp16"], predict=True, extra_train_args=["--compute", "emulated:scale=5"])
+    result = harness.run_bench(cfg, launcher=fake_launcher, profiler=lambda c: prof, collective_probe=probe,
+                               compress_probe=compress_probe)
+    assert calls == [([[500, 1000], [1000]], 2)]  # the profiled model's gradients, one process per worker
+    assert result["prediction"]["shared_compressors"] == table
+    fp16 = next(r for r in result["runs"] if r["method"] == "fp16")
+    assert fp16["predicted_breakdown_s"]["compress"] == pytest.approx(501000 * 2e-7)
+    assert result["network"]["prediction"]["emulated_compressors"].startswith("measured with every worker")

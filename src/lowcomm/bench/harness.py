@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from lowcomm.bench import bounds, collprobe, netns, prediction, schedule_bound, trained
+from lowcomm.bench.compress_probe import measure_shared
 from lowcomm.bench.compute_profile import bench_profile, compute_label, gloo_contention
 from lowcomm.bench.environment import machine, network
 from lowcomm.bench.runner import BenchConfig, Launcher, run_method
@@ -130,13 +131,16 @@ def run_bench(
     profiler: Callable[[BenchConfig], Any] | None = None,
     collective_probe: Callable[..., dict[str, Any]] | None = None,
     contention_probe: Callable[[BenchConfig, netns.Cluster | None], dict[str, float]] | None = None,
+    compress_probe: Callable[..., dict[str, dict[str, float]]] | None = None,
 ) -> dict[str, Any]:
     """Run every method on every network; return the result dict (see DESIGN.md section 3).
 
     With ``cfg.predict`` (timing mode only) the model is profiled once and every network's
     collectives are probed, and each row gets the simulator's ``predicted_iter_time_s``
     (:mod:`lowcomm.bench.prediction`). ``profiler``/``collective_probe`` replace the real
-    measurements in tests.
+    measurements in tests; so does ``compress_probe`` the codecs' times with ``nproc``
+    processes at once (:func:`lowcomm.bench.compress_probe.measure_shared`), taken with
+    emulated compute, where it prices the rows' compression.
     """
     say = log or (lambda s: None if cfg.quiet else print(s, file=sys.stderr, flush=True))
     work = Path(cfg.work_dir or tempfile.mkdtemp(prefix="lowcomm-bench-"))
@@ -194,6 +198,16 @@ def run_bench(
         except Exception as e:  # noqa: BLE001 - predictions are an extra; the bench still runs
             result["prediction"] = {"error": f"{type(e).__name__}: {e}"}
             say(f"  no predictions: {result['prediction']['error']}")
+    if profile is not None and result["compute"] != "real":
+        say(f"lowcomm bench: timing the codecs with {cfg.nproc} processes at once (compute emulated) ...")
+        try:
+            shapes = [s for layer in profile.layers for s in layer.param_shapes]
+            result["prediction"]["shared_compressors"] = (compress_probe or measure_shared)(
+                shapes, cfg.nproc, threads=cfg.threads or 1)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - the one-process times scaled by the core share remain
+            say(f"  codecs not timed together ({type(e).__name__}: {e}); their one-process times scaled")
     for n_idx, spec in enumerate(cfg.nets):
         say(f"lowcomm bench: network {spec.label()}")
         try:
@@ -296,7 +310,8 @@ def run_bench(
                                                                         nproc_per_node=cfg.nproc_per_node or 1,
                                                                         contention_s_per_byte=contention.get("cpu_s_per_wire_byte", 0.0),
                                                                         contention_s_per_collective=contention.get("cpu_s_per_collective", 0.0),
-                                                                        cpu_share=share)
+                                                                        cpu_share=share,
+                                                                        shared_compressors=result["prediction"].get("shared_compressors"))
                     except (KeyboardInterrupt, SystemExit):
                         raise
                     except Exception as e:  # noqa: BLE001

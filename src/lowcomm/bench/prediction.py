@@ -29,7 +29,9 @@ hooks) gets ``prediction_note`` instead.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from lowcomm.errors import UsageError
@@ -106,7 +108,8 @@ def bucket_mb_of(row: dict[str, Any]) -> float:
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
                     workers: int, nproc_per_node: int = 1, contention_s_per_byte: float = 0.0,
-                    contention_s_per_collective: float = 0.0, cpu_share: float = 1.0) -> dict[str, Any]:
+                    contention_s_per_collective: float = 0.0, cpu_share: float = 1.0,
+                    shared_compressors: Mapping[str, dict[str, float]] | None = None) -> dict[str, Any]:
     """Fill the prediction keys of every ok row in place; return what was used (for the JSON).
 
     ``contention_s_per_byte`` (:func:`lowcomm.bench.contention.measure_contention`): the compute
@@ -116,6 +119,10 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     ``cpu_share`` (:func:`lowcomm.sim.calibrate.core_share`): how much slower the workers' real
     CPU work runs when they run it at once; applied to the compression costs of rows with
     emulated compute (with real compute the ``nocomm`` calibration already carries it).
+    ``shared_compressors`` (:func:`lowcomm.bench.compress_probe.measure_shared`): the codecs'
+    times measured with every worker's process running them at once; where given, they price
+    the emulated rows' codecs as measured, in place of the one-process times scaled by
+    ``cpu_share`` and the compute calibration (the kernel constants keep that scaling).
     """
     from lowcomm.sim import predict_iteration_time
     from lowcomm.sim.calibrate import calibrate_phases, scale_compression
@@ -141,6 +148,10 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     used["profile_compute_s"] = prof.compute_s
     used["emulated_compression_share"] = cpu_share
     prof_emulated = scale_compression(prof, cpu_share) if cpu_share != 1.0 else prof
+    if shared_compressors:
+        prof_emulated = copy.copy(prof_emulated)
+        prof_emulated.compressors = {**prof_emulated.compressors, **shared_compressors}
+        used["emulated_compressors"] = "measured with every worker's process at once"
     for r in rows:
         if r.get("status") != "ok":
             continue

@@ -242,7 +242,8 @@ def _decode_s(cls: type[Codec], x: torch.Tensor, layout: Layout, finite: torch.T
 
 
 def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20, reps: int = 3,
-                        shapes: Sequence[Sequence[int]] | None = None) -> dict[str, dict[str, float]]:
+                        shapes: Sequence[Sequence[int]] | None = None,
+                        before_each: Callable[[], Any] | None = None) -> dict[str, dict[str, float]]:
     """Encode/decode seconds per element of every registered codec (:data:`CODECS`), and
     the seconds of PyTorch's own hooks (:func:`~lowcomm.sim.hook_timing.measure_torch_hooks`).
 
@@ -259,6 +260,8 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
     low-rank codecs' factor tables filled). A codec whose final message is
     all-gathered decodes every worker's payload, so its decode is measured at 2 and 8
     workers and fitted as ``decode_s_per_elem + P * decode_s_per_elem_per_worker``.
+    ``before_each``: called before each codec and before the hooks (several processes
+    measuring at once keep in step with a barrier: :mod:`lowcomm.bench.compress_probe`).
     """
     device = torch.device(device)
     if not shapes or not any(math.prod(s) for s in shapes):
@@ -271,6 +274,8 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
     finite = torch.ones((), dtype=torch.bool, device=device)
     out: dict[str, dict[str, float]] = {}
     for name in CODECS.names():
+        if before_each is not None:
+            before_each()
         cls = codec_class(name)
         enc = _encode_s(cls, x, layout, finite, device, reps)
         lo, collective = _decode_s(cls, x, layout, finite, 2, device, reps)
@@ -283,5 +288,7 @@ def measure_compressors(device: torch.device | str = "cpu", *, n: int = 1 << 20,
         else:
             entry["decode_s_per_elem"] = lo / numel
         out[name] = entry
+    if before_each is not None:
+        before_each()
     out.update(measure_torch_hooks(shapes, device, reps=reps))  # PyTorch's own hooks, timed whole
     return out

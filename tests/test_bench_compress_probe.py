@@ -1,0 +1,65 @@
+"""Emulated rows' compression priced with the codecs timed by every worker's process at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from lowcomm.bench.compress_probe import measure_shared, median_table
+from lowcomm.bench.prediction import add_predictions
+from lowcomm.compress.codec import CODECS
+from lowcomm.sim import LayerProfile, Profile
+from lowcomm.sim.profile import ComputeCosts
+
+INFO = {"measured_bits_per_s": 1e9, "rtt_ms": 0.1}
+SHAPES = [[256, 256], [256]]
+ONE_PROCESS = {"fp16": {"encode_s_per_elem": 1e-9, "decode_s_per_elem": 1e-9}}
+
+
+def _profile() -> Profile:
+    layers = [LayerProfile("a", 2e-3, 4e-3, SHAPES), LayerProfile("b", 2e-3, 4e-3, SHAPES)]
+    return Profile(model="two", batch_size=8, optimizer_s=1e-3, layers=layers, compressors=dict(ONE_PROCESS),
+                   costs=ComputeCosts(elementwise_s_per_elem=1e-10))
+
+
+def _row(method: str, compute: str) -> dict[str, Any]:
+    return {"method": method, "spec_run": method, "status": "ok", "iter_time_s_median": 0.03, "compute": compute,
+            "breakdown_s": {"forward": 0.004, "backward": 0.008, "optimizer": 0.018}}
+
+
+def _compress(shared: dict[str, dict[str, float]] | None, compute: str) -> float:
+    rows = [_row("nocomm", compute), _row("fp16", compute)]
+    add_predictions(rows, _profile(), INFO, workers=4, cpu_share=2.0, shared_compressors=shared)
+    return rows[1]["predicted_breakdown_s"]["compress"]
+
+
+def test_an_emulated_row_takes_the_codecs_times_measured_together() -> None:
+    numel = 2 * (256 * 256 + 256)
+    together = {"fp16": {"encode_s_per_elem": 5e-9, "decode_s_per_elem": 3e-9}}
+    assert _compress(together, "emulated:scale=5") == pytest.approx(numel * 8e-9)
+    # without it: the one-process times, scaled by the core share (and the compute calibration)
+    assert _compress(None, "emulated:scale=5") != pytest.approx(numel * 8e-9)
+
+
+def test_a_real_compute_row_is_not_priced_with_them() -> None:
+    together = {"fp16": {"encode_s_per_elem": 5e-9, "decode_s_per_elem": 3e-9}}
+    assert _compress(together, "real") == pytest.approx(_compress(None, "real"))
+
+
+def test_the_table_is_the_median_over_processes_per_field() -> None:
+    tables = [{"a": {"x": 1.0, "y": 4.0}, "b": {"x": 1.0}}, {"a": {"x": 3.0, "y": 2.0}},
+              {"a": {"x": 2.0, "y": 9.0}, "b": {"x": 7.0}}]
+    assert median_table(tables) == {"a": {"x": 2.0, "y": 4.0}}  # "b": not every process has it
+
+
+def test_two_processes_time_every_codec_together() -> None:
+    table = measure_shared(SHAPES, 2, reps=1)
+    assert set(CODECS.names()) <= set(table)
+    assert all(v >= 0 for entry in table.values() for v in entry.values())
+    assert all(table[name]["encode_s_per_elem"] > 0 for name in CODECS.names())
+
+
+def test_no_workers_is_refused() -> None:
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        measure_shared(SHAPES, 0)
