@@ -119,3 +119,10 @@ def test_a_run_reports_its_ddp_bucket_cap_and_the_simulator_counts_the_hooks_byt
     prof = Profile(model="mlp", batch_size=8, optimizer_s=0.0, layers=layers)
     predicted = predict_iteration_time(prof, spec, workers=world, network=NET, bucket_mb=1e5)
     assert predicted.wire_bytes_per_worker == counted
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; `make test-gpu`")
+def test_the_hooks_are_timed_on_a_gpu_through_a_one_process_nccl_ddp() -> None:
+    timed = measure_torch_hooks(SHAPES, "cuda", reps=1)
+    assert set(timed) == {FP16_KEY, powersgd_key(4)} and not dist.is_initialized()

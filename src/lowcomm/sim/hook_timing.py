@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,11 +52,18 @@ def measure_torch_hooks(shapes: Sequence[Sequence[int]], device: torch.device | 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     numel = sum(math.prod(s) for s in shapes)
     if numel == 0 or not dist.is_available() or dist.is_initialized():
         return {}
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                            rank=0, world_size=1)
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
+    except Exception as e:  # noqa: BLE001 - the hooks are then priced; say why
+        warnings.warn(f"PyTorch's comm hooks not timed (no one-process group: {e}); the simulator prices them",
+                      stacklevel=2)
+        return {}
     try:
         def powersgd_state() -> Any:
             return ps.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
