@@ -104,8 +104,9 @@ class CodecSchedule(BucketSchedule):
         super().__init__(options, codec)
         if codec is None:
             raise UsageError("a compression method's schedule needs its codec")
-        self.name = codec.name  # type: ignore[misc]
-        self.summary = codec.cls.summary  # type: ignore[misc]
+        if type(self).name == CodecSchedule.name:  # named after its codec; a subclass keeps its own
+            self.name = codec.name  # type: ignore[misc]
+            self.summary = codec.cls.summary  # type: ignore[misc]
 
 
 @dataclass

@@ -29,7 +29,7 @@ from lowcomm.sim.schedules.ddp import CodecSchedule
 
 
 class TorchFP16(CodecSchedule):
-    """DDP with PyTorch's ``fp16_compress_hook``: ``fp16``'s payload at torch's cast cost."""
+    """DDP with PyTorch's ``fp16_compress_hook``: ``fp16``'s payload at the hook's own cost."""
 
     name = "torch_fp16"
     summary = "PyTorch's fp16_compress_hook on DDP (reference implementation)"
@@ -38,8 +38,6 @@ class TorchFP16(CodecSchedule):
 
     def __init__(self, options: Any = None, codec: CodecPlan | None = None) -> None:
         super().__init__(options, CodecPlan("fp16", codec_class("fp16").Options(), timed_as=FP16_KEY))
-        self.name = type(self).name  # type: ignore[misc]
-        self.summary = type(self).summary  # type: ignore[misc]
 
 
 def _powersgd_options(hook: Any) -> Any:
@@ -51,7 +49,7 @@ def _powersgd_options(hook: Any) -> Any:
 
 
 class TorchPowerSGD(CodecSchedule):
-    """DDP with PyTorch's ``powerSGD_hook``: ``powersgd``'s rounds at torch's kernel costs."""
+    """DDP with PyTorch's ``powerSGD_hook``: ``powersgd``'s rounds at the hook's own cost."""
 
     name = "torch_powersgd"
     summary = "PyTorch's powerSGD_hook on DDP (reference implementation)"
@@ -62,10 +60,7 @@ class TorchPowerSGD(CodecSchedule):
         from lowcomm.methods.reference import TorchPowerSGDOptions
 
         hook = options if options is not None else TorchPowerSGDOptions()
-        super().__init__(hook, CodecPlan("powersgd", _powersgd_options(hook),
-                                             timed_as=powersgd_key(hook.rank)))
-        self.name = type(self).name  # type: ignore[misc]
-        self.summary = type(self).summary  # type: ignore[misc]
+        super().__init__(hook, CodecPlan("powersgd", _powersgd_options(hook), timed_as=powersgd_key(hook.rank)))
 
 
 #: the methods whose payload a lowcomm codec carries here (their kernel bound is that codec's)
