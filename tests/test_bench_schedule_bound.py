@@ -58,9 +58,9 @@ def test_without_a_kernel_bound_the_measured_compression_time_is_added() -> None
 
 
 def test_a_method_the_simulator_cannot_run_gets_a_note_not_a_number() -> None:
-    rows = _rows(torch_fsdp={})
+    rows = _rows(torch_zero3={})  # no such schedule
     add_schedule_bounds(rows, PROFILE, GBIT, workers=2)
-    assert rows[1]["schedule_bound_s"] is None and "no method 'torch_fsdp'" in rows[1]["schedule_bound_note"]
+    assert rows[1]["schedule_bound_s"] is None and "no method 'torch_zero3'" in rows[1]["schedule_bound_note"]
 
 
 def test_without_a_nocomm_run_no_row_gets_a_schedule_bound() -> None:

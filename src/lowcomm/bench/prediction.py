@@ -23,8 +23,8 @@ timings it measures online, and on 4 emulated workers at 1 Gbit/s the two plans 
 
 Each successful row gets ``predicted_iter_time_s`` (DESIGN.md's key), ``prediction_error``
 ((predicted − measured) / measured), ``predicted_bytes_per_worker_per_iter`` and
-``predicted_breakdown_s``; a method the simulator has no schedule for (``torch_fsdp``) gets
-``prediction_note`` instead. A row is simulated with the DDP bucket cap its run reports
+``predicted_breakdown_s``; a method the simulator has no schedule for (one registered at run
+time without a schedule) gets ``prediction_note`` instead. A row is simulated with the DDP bucket cap its run reports
 (:func:`bucket_mb_of`).
 """
 

@@ -61,7 +61,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
     whose bounds :func:`lowcomm.bench.bounds.derive` filled); return what was used.
 
     A row gets None and ``schedule_bound_note`` when the simulator has no schedule for its
-    method (``torch_fsdp``) or the run had no ``nocomm`` reference.
+    method (one registered at run time without a schedule) or the run had no ``nocomm`` reference.
     """
     from lowcomm.sim import predict_iteration_time
     from lowcomm.sim.calibrate import calibrate_phases, scale_compression, scale_profile

@@ -14,6 +14,8 @@ order the training code issues them, with the same overlap rules as the code:
   takes ``compress=<codec>`` with the codec's own options beside the engine's.
 * PyTorch's own comm hooks, ``torch_fp16`` and ``torch_powersgd`` (:mod:`.reference`): the
   DDP schedule carrying the lowcomm codec of the same payload, priced as torch kernels.
+* PyTorch's FSDP2, ``torch_fsdp`` (:mod:`.fsdp`): per-block all-gather before forward and
+  reduce-scatter after backward, blocking the training thread on a CPU profile.
 * ``hier`` (:mod:`.hier`): engine groups whose all-reduce is flat, hierarchical or hybrid on
   the network's two-level topology; codec rounds with a ``scope`` run on their node-level
   group (:meth:`~lowcomm.sim.network.NetworkModel.scoped`).
@@ -38,6 +40,7 @@ from lowcomm.sim.schedules.lee18 import Lee18
 from lowcomm.sim.schedules.hier import Hier
 from lowcomm.sim.schedules.lee18_fc import Lee18FC
 from lowcomm.sim.schedules.localsgd import DiLoCoSchedule, LocalSGDSchedule, StreamingDiLoCoSchedule
+from lowcomm.sim.schedules.fsdp import TorchFSDP
 from lowcomm.sim.schedules.reference import TorchFP16, TorchPowerSGD
 
 #: schedules of the methods that are not a codec by itself
@@ -47,6 +50,7 @@ SCHEDULES: dict[str, type[Schedule]] = {
 SCHEDULES.update({cls.name: cls for cls in (LocalSGDSchedule, DiLoCoSchedule, StreamingDiLoCoSchedule)})
 SCHEDULES[Lee18FC.name] = Lee18FC  # lee18 with its fc= option (model-parallel FC layers)
 SCHEDULES.update({cls.name: cls for cls in (TorchFP16, TorchPowerSGD)})  # PyTorch's own hooks
+SCHEDULES[TorchFSDP.name] = TorchFSDP  # PyTorch's FSDP2
 
 
 def method_names() -> list[str]:
@@ -104,7 +108,7 @@ def make_schedule(method_spec: str) -> Schedule:
 
 __all__ = [
     "MIB", "SCHEDULES", "Bucket", "BucketSchedule", "CodecPlan", "CodecSchedule", "DeAR",
-    "GradTensor", "Hier", "Lee18", "MGWFBP", "NoComm", "Pufferfish", "SSGD", "Schedule", "Sim", "WFBP",
+    "GradTensor", "Hier", "TorchFSDP", "Lee18", "MGWFBP", "NoComm", "Pufferfish", "SSGD", "Schedule", "Sim", "WFBP",
     "ddp_buckets", "forward_groups", "layer_buckets", "make_schedule", "method_names",
     "mgwfbp_groups",
 ]
