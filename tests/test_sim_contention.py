@@ -68,6 +68,29 @@ def test_per_layer_collectives_pay_the_floor_each_in_the_simulator() -> None:
     assert floored.breakdown_s["contention"] == pytest.approx(4 * 1e-2, rel=1e-9)
 
 
+def test_on_shared_cores_a_callbacks_cpu_is_taken_from_compute_too() -> None:
+    """Power-SGD's orthogonalization, Q product and decode run in its collectives' callbacks, on
+    the comm chain; with real compute on shared cores their seconds are charged to compute as
+    well, and without contention (a GPU, emulated compute) they are not."""
+    from lowcomm.sim.predict import simulate
+    from lowcomm.sim.profile import ComputeCosts
+
+    prof = _profile()
+    prof.costs = ComputeCosts(elementwise_s_per_elem=1e-9, matmul_s_per_flop=1e-11, orthogonalize_s_per_elem=1e-8)
+    net = NetworkModel.preset("10gbit")
+    spec = "powersgd:start_iter=0"
+    for loaded in (net, net.with_contention(1e-30)):
+        sim, _ = simulate(prof, spec, workers=4, network=loaded)
+        side = [t for t in sim.tl.tasks if t.stream == "comm" and t.kind == "compress" and t.duration > 0]
+        charged = {t.name: t.duration for t in sim.tl.tasks if t.kind == "contention" and t.name.startswith("cpu.")}
+        assert side  # the decode and the round between the two all-reduces
+        if loaded is net:
+            assert not charged
+        else:
+            for t in side:
+                assert charged[f"cpu.{t.name}"] == pytest.approx(t.duration)
+
+
 def test_measure_contention_runs_on_two_workers() -> None:
     res = measure_contention(2, seconds=0.3, payload_mb=0.5, small_kb=16, matmul_n=64)
     assert res["workers"] == 2 and len(res["per_rank"]) == 2

@@ -66,9 +66,9 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
         if not hasattr(schedule, "replay"):
             raise UsageError(f"{schedule.name} has no plan to replay; only mgwfbp plans at run time")
         schedule.replay = list(plan)
-    sim = Sim(schedule.profile_for(profile), int(workers), network, bucket_mb=bucket_mb,
-              first_bucket_mb=first_bucket_mb)
-    sim.optimizer_s = schedule.optimizer_s(sim.profile, sim.p)
+    used = schedule.profile_for(profile)
+    sim = Sim(used, int(workers), network, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+              optimizer_s=schedule.optimizer_s(used, int(workers)))
     schedule.setup(sim)
     for it in range(1, iterations + 1):
         schedule.iteration(sim, it)

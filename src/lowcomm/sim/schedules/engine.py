@@ -271,8 +271,7 @@ class DeAR(_ShardedSchedule):
         best = (math.inf, hi)
         for j in range(self.TUNE_GRID + 1):
             mb = lo * (hi / lo) ** (j / self.TUNE_GRID)
-            trial = Sim(sim.profile, sim.p, sim.net)
-            trial.optimizer_s = sim.optimizer_s
+            trial = Sim(sim.profile, sim.p, sim.net, optimizer_s=sim.optimizer_s)
             probe = DeAR(_Fixed(mb), self.codec)
             probe.setup(trial)
             for it in range(1, 5):

@@ -114,15 +114,16 @@ class LocalSGDSchedule(Schedule):
             collective_alpha={},
             collective_beta_scale={},
         )
+        inner_profile = self.inner.profile_for(sim.profile)
         self.inner_sim = Sim(
-            self.inner.profile_for(sim.profile),
+            inner_profile,
             g,
             intra,
             bucket_mb=sim.bucket_bytes / MIB,
             first_bucket_mb=sim.first_bucket_bytes / MIB,
+            optimizer_s=self.inner.optimizer_s(inner_profile, g),
         )
         self.inner_sim.tl = sim.tl  # one timeline: the outer sync follows the inner step
-        self.inner_sim.optimizer_s = self.inner.optimizer_s(self.inner_sim.profile, g)
         self.inner.setup(self.inner_sim)
         leaders = dataclasses.replace(sim.net, intra=None, gpus_per_node=1, algorithm="ring")
         return Sim(sim.profile, nodes, leaders), 1.0 / g
