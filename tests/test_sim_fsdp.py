@@ -97,9 +97,9 @@ def test_the_bytes_predicted_are_the_bytes_fsdp_sends() -> None:
     assert predicted.wire_bytes_per_worker == counted
 
 
-def test_a_profile_without_a_device_is_taken_as_a_gpus() -> None:
+def test_a_profile_of_an_unknown_device_is_simulated_as_a_gpu_profile() -> None:
     prof = dataclasses.replace(_profile_of(nn.Sequential(nn.Linear(64, 64))), device="unknown")
-    sim, schedule = simulate(prof, "torch_fsdp", workers=2, network=NET, iterations=1)
+    _, schedule = simulate(prof, "torch_fsdp", workers=2, network=NET, iterations=1)
     assert not schedule.blocking  # type: ignore[attr-defined]
 
 

@@ -13,6 +13,8 @@ CPU there are no streams: each collective blocks the training thread until it is
 forward waits for every all-gather and backward for every reduce-scatter. And gloo's
 reduce-scatter runs a whole all-reduce underneath (the method counts it so), so on a CPU
 profile the reduce-scatter is priced and counted as an all-reduce of the padded gradient.
+On a GPU the all-gathers are not limited in number ahead of the compute (FSDP2 bounds the
+copies in flight), and the GPU side is not validated here (no GPU was lent).
 
 Units come from the profile's layer names, as :func:`lowcomm.methods.reference.shard_units`
 picks them from the model: a layer ``a.b.c`` belongs to unit ``a.b`` when ``b`` is an index
