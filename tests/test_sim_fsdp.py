@@ -105,3 +105,11 @@ def test_a_profile_of_an_unknown_device_is_simulated_as_a_gpu_profile() -> None:
 
 def test_every_method_a_run_can_time_has_a_schedule() -> None:
     assert set(methods.names(include_timing_only=True)) <= set(method_names())
+
+
+def test_on_a_gpu_an_all_gather_runs_at_most_two_units_ahead() -> None:
+    model = nn.Sequential(*(nn.Linear(128, 128) for _ in range(5)))
+    sim, _ = simulate(_profile_of(model, "cuda"), "torch_fsdp", workers=4, network=NET, iterations=2)
+    for k in range(2, 5):
+        assert sim.tl.find(f"agin.u{k}", 2).start >= sim.tl.find(f"agout.u{k - 2}", 2).end
+    assert sim.tl.find("agin.u1", 2).start < sim.tl.find("agout.u0", 2).end  # one ahead is free

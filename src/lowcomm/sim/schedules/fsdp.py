@@ -13,8 +13,9 @@ CPU there are no streams: each collective blocks the training thread until it is
 forward waits for every all-gather and backward for every reduce-scatter. And gloo's
 reduce-scatter runs a whole all-reduce underneath (the method counts it so), so on a CPU
 profile the reduce-scatter is priced and counted as an all-reduce of the padded gradient.
-On a GPU the all-gathers are not limited in number ahead of the compute (FSDP2 bounds the
-copies in flight), and the GPU side is not validated here (no GPU was lent).
+On a GPU the all-gathers run at most two units ahead (FSDP2's all-gather streams wait for the
+copy-out of the unit before the previous one); the GPU side is not validated here (no GPU was
+lent).
 
 Units come from the profile's layer names, as :func:`lowcomm.methods.reference.shard_units`
 picks them from the model: a layer ``a.b.c`` belongs to unit ``a.b`` when ``b`` is an index
@@ -89,13 +90,14 @@ class TorchFSDP(Schedule):
         """The step on one shard: 1/P of the model's."""
         return super().optimizer_s(profile, workers) / workers
 
-    def _copy(self, sim: Sim, name: str, elements: int, it: int, kind: str, after: list[Task | None]) -> Task:
-        """FSDP's copy into or out of a flat buffer: on the training thread on a CPU, on the
-        collective's own stream on a GPU."""
+    def _copy(self, sim: Sim, name: str, elements: int, it: int, kind: str, after: list[Task | None], *,
+              side: bool = False) -> Task:
+        """FSDP's copy into or out of a flat buffer, on the compute stream (FSDP runs them on the
+        current stream), or, with ``side`` on a GPU, on the all-gather's copy-in stream."""
         seconds = elements * sim.c.elementwise_s_per_elem
-        if self.blocking:
-            return sim.compute(name, seconds, it, kind=kind, after=after)
-        return sim.tl.add(name, "comm", seconds, kind="comm", iteration=it, after=after)
+        if side and not self.blocking:
+            return sim.tl.add(name, "comm", seconds, kind="comm", iteration=it, after=after)
+        return sim.compute(name, seconds, it, kind=kind, after=after)
 
     def _block(self, sim: Sim, it: int, task: Task) -> None:
         """On a CPU, the training thread waits for the collective (``async_op=False``)."""
@@ -103,13 +105,16 @@ class TorchFSDP(Schedule):
             sim.tl.add(f"wait.{task.name}", "compute", 0.0, kind="sync", iteration=it, after=[task])
 
     def all_gather(self, sim: Sim, it: int, k: int) -> Task:
-        """Unit ``k``'s all-gather with its copies in and out; on a GPU it is issued ahead of
-        the compute (its stream is free long before the unit's forward: implicit prefetching)."""
+        """Unit ``k``'s all-gather with its copies in and out. On a GPU it runs ahead of the
+        compute (implicit prefetching), at most two units ahead: FSDP2 makes the all-gather
+        streams wait for the copy-out of the unit before the previous one."""
         shard = self.shard[k]
-        copy_in = self._copy(sim, f"agin.u{k}", shard, it, "forward", [self.stepped])
+        after = [self.stepped, self.copied_out.get(k - 2)] if not self.blocking else [self.stepped]
+        copy_in = self._copy(sim, f"agin.u{k}", shard, it, "forward", after, side=True)
         ag = sim.collective(f"ag.u{k}", "all_gather", shard * sim.bpe, it, after=[copy_in])
         self._block(sim, it, ag)
-        return self._copy(sim, f"agout.u{k}", shard * sim.p, it, "forward", [ag])
+        self.copied_out[k] = self._copy(sim, f"agout.u{k}", shard * sim.p, it, "forward", [ag])
+        return self.copied_out[k]
 
     def reduce_scatter(self, sim: Sim, it: int, k: int, ready: Task) -> Task:
         """Unit ``k``'s gradient reduce-scatter after its backward (an all-reduce on gloo)."""
@@ -122,6 +127,7 @@ class TorchFSDP(Schedule):
 
     def iteration(self, sim: Sim, it: int) -> None:
         """Forward with each unit's all-gather first, backward with its reduce-scatter, step."""
+        self.copied_out: dict[int, Task] = {}
         for i in range(len(sim.profile.layers)):
             after: list[Task | None] = []
             if i in self.first_of:
