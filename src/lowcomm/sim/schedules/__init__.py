@@ -108,7 +108,7 @@ def make_schedule(method_spec: str) -> Schedule:
 
 __all__ = [
     "MIB", "SCHEDULES", "Bucket", "BucketSchedule", "CodecPlan", "CodecSchedule", "DeAR",
-    "GradTensor", "Hier", "TorchFSDP", "Lee18", "MGWFBP", "NoComm", "Pufferfish", "SSGD", "Schedule", "Sim", "WFBP",
+    "GradTensor", "Hier", "Lee18", "MGWFBP", "NoComm", "Pufferfish", "SSGD", "Schedule", "Sim", "TorchFSDP", "WFBP",
     "ddp_buckets", "forward_groups", "layer_buckets", "make_schedule", "method_names",
     "mgwfbp_groups",
 ]
