@@ -85,6 +85,8 @@ class TorchFSDP(Schedule):
         self.blocking = sim.profile.device.startswith("cpu")
         #: the last optimizer step: the shards an all-gather sends are the updated ones
         self.stepped: Task | None = None
+        #: this iteration's copies out of each unit's all-gather (a GPU's prefetch limit)
+        self.copied_out: dict[int, Task] = {}
 
     def optimizer_s(self, profile: Profile, workers: int) -> float:
         """The step on one shard: 1/P of the model's."""
@@ -127,7 +129,7 @@ class TorchFSDP(Schedule):
 
     def iteration(self, sim: Sim, it: int) -> None:
         """Forward with each unit's all-gather first, backward with its reduce-scatter, step."""
-        self.copied_out: dict[int, Task] = {}
+        self.copied_out = {}
         for i in range(len(sim.profile.layers)):
             after: list[Task | None] = []
             if i in self.first_of:
