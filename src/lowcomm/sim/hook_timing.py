@@ -16,6 +16,7 @@ already up, since a second default group cannot be started beside it.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -58,12 +59,17 @@ def measure_torch_hooks(shapes: Sequence[Sequence[int]], device: torch.device | 
     if numel == 0 or not dist.is_available() or dist.is_initialized():
         return {}
     try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                rank=0, world_size=1)
+        if device.type == "cuda":
+            dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        else:  # one worker thread: the barrier below then drains every callback before it
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own, untyped
+            options._threads = 1
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, pg_options=options)
     except Exception as e:  # noqa: BLE001 - the hooks are then priced; say why
         warnings.warn(f"PyTorch's comm hooks not timed (no one-process group: {e}); the simulator prices them",
                       stacklevel=2)
         return {}
+    group = dist.group.WORLD  # held until every other reference is gone (see below)
     try:
         def powersgd_state() -> Any:
             return ps.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
@@ -73,7 +79,15 @@ def measure_torch_hooks(shapes: Sequence[Sequence[int]], device: torch.device | 
         fp16 = _hook_seconds(shapes, device, None, default_hooks.fp16_compress_hook, reps)
         low_rank = _hook_seconds(shapes, device, powersgd_state(), ps.powerSGD_hook, reps)
     finally:
+        # The hooks' future callbacks (PowerSGD's hold the group) run and are freed on gloo's
+        # worker thread; if it dropped the group's last reference, the group's destructor would
+        # join that very thread and abort the process ("Resource deadlock avoided": seen as a
+        # crash of the test suite seconds later). So one last collective drains the worker's
+        # queue, the rest is collected here, and the last reference is this thread's.
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+        gc.collect()
         dist.destroy_process_group()
+        del group
     return {FP16_KEY: {"hook_s_per_elem": fp16 / numel},
             powersgd_key(POWERSGD_RANK): {"hook_s_per_elem": low_rank / numel}}
 
