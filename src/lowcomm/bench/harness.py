@@ -201,9 +201,8 @@ def run_bench(
     if profile is not None and result["compute"] != "real":
         say(f"lowcomm bench: timing the codecs with {cfg.nproc} processes at once (compute emulated) ...")
         try:
-            shapes = [s for layer in profile.layers for s in layer.param_shapes]
             result["prediction"]["shared_compressors"] = (compress_probe or measure_shared)(
-                shapes, cfg.nproc, threads=cfg.threads or 1)
+                profile.param_shapes, cfg.nproc, threads=cfg.threads or 1)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as e:  # noqa: BLE001 - the one-process times scaled by the core share remain

@@ -104,6 +104,11 @@ class Profile:
         return sum(layer.numel for layer in self.layers)
 
     @property
+    def param_shapes(self) -> list[list[int]]:
+        """Every parameter's shape, layers in forward order (the gradients codecs are timed on)."""
+        return [s for layer in self.layers for s in layer.param_shapes]
+
+    @property
     def grad_bytes(self) -> int:
         """Bytes of one full gradient."""
         return self.numel * self.bytes_per_elem
