@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from lowcomm.bench.compress_probe import measure_shared, median_table
+from lowcomm.bench import compress_probe, trained
+from lowcomm.bench.compress_probe import measure_shared, measure_shared_rates, median_table
 from lowcomm.bench.prediction import add_predictions
 from lowcomm.compress.codec import CODECS
 from lowcomm.sim import LayerProfile, Profile
@@ -63,3 +64,24 @@ def test_two_processes_time_every_codec_together() -> None:
 def test_no_workers_is_refused() -> None:
     with pytest.raises(ValueError, match="workers must be >= 1"):
         measure_shared(SHAPES, 0)
+
+
+def test_two_processes_measure_their_shares_of_the_machine_rates_together() -> None:
+    rates = measure_shared_rates(2, window_s=0.05)
+    assert set(rates) == {"copy_bytes_per_s", "matmul_flops_per_s"} and min(rates.values()) > 0
+
+
+def test_workers_that_outnumber_the_cores_get_their_share_of_the_kernel_rates(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+
+    def shared(workers: int, **kw: Any) -> dict[str, float]:
+        asked.append(workers)
+        return {"copy_bytes_per_s": 1.0, "matmul_flops_per_s": 1e30}  # the second above one process's
+
+    monkeypatch.setattr(compress_probe, "measure_shared_rates", shared)
+    fits = trained.machine_rates(1, workers=2, cpus=2)
+    assert asked == [] and "one_process" not in fits  # a core each: one process's rates
+    crowded = trained.machine_rates(1, workers=4, cpus=2)
+    assert asked == [4] and crowded["workers_at_once"] == 4
+    assert crowded["copy_bytes_per_s"] == 1.0  # the share, when below one process's
+    assert crowded["matmul_flops_per_s"] == crowded["one_process"]["matmul_flops_per_s"]  # never above it

@@ -365,3 +365,25 @@ def test_with_emulated_compute_the_codecs_are_timed_together_and_price_the_rows(
     fp16 = next(r for r in result["runs"] if r["method"] == "fp16")
     assert fp16["predicted_breakdown_s"]["compress"] == pytest.approx(501000 * 2e-7)
     assert result["network"]["prediction"]["emulated_compressors"].startswith("measured with every worker")
+
+
+def test_on_crowded_cores_the_kernel_bound_takes_each_workers_share_and_keeps_one_processs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowcomm.bench import trained
+
+    one = {"copy_bytes_per_s": 1e10, "matmul_flops_per_s": 1e11}
+    shared = {"copy_bytes_per_s": 5e9, "matmul_flops_per_s": 5e10, "one_process": one, "workers_at_once": 2}
+    monkeypatch.setattr(trained, "machine_rates", lambda threads, workers=1, cpus=None: shared)
+
+    def launcher(worker_args: list[str], nproc: int, **kw: Any) -> int:
+        code = fake_launcher(worker_args, nproc, **kw)
+        path = Path(worker_args[worker_args.index("--json") + 1])
+        path.write_text(json.dumps({**json.loads(path.read_text()), "grad_shapes": [[1000, 100]]}))
+        return code
+
+    result = harness.run_bench(config(tmp_path, ["fp16"]), launcher=launcher)
+    fp16 = next(r for r in result["runs"] if r["method"] == "fp16")
+    assert result["kernel_bound_rates"] is shared
+    # fp16 reads 4 and writes 2 bytes per element to encode, as many to decode
+    assert fp16["compress_bound_s"] == pytest.approx(12 * 100_000 / 5e9)
+    assert fp16["compress_bound_one_process_s"] == pytest.approx(12 * 100_000 / 1e10)

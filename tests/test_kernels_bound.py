@@ -18,6 +18,7 @@ from lowcomm.bench.kernel_bound import (
     copy_bandwidth_bytes_per_s,
     kernel_bytes,
     kernel_flops,
+    sustained_rates,
 )
 from lowcomm.compress.codec import CODECS
 from lowcomm.errors import UsageError
@@ -106,6 +107,15 @@ def test_bad_input_says_what_is_valid() -> None:
 
 def test_copy_bandwidth_is_a_positive_rate() -> None:
     assert copy_bandwidth_bytes_per_s(1 << 12, repeats=1) > 0
+
+
+def test_sustained_rates_start_each_window_when_told_and_count_its_work() -> None:
+    starts: list[int] = []
+    rates = sustained_rates(0.02, start=lambda: starts.append(1), n=1 << 12, size=32)
+    assert len(starts) == 2  # one window for the copies, one for the products
+    assert set(rates) == {"copy_bytes_per_s", "matmul_flops_per_s"} and min(rates.values()) > 0
+    with pytest.raises(UsageError, match="window"):
+        sustained_rates(0.0)
 
 
 def test_benchmark_writes_one_row_per_kernel_with_its_bound(tmp_path: Path) -> None:

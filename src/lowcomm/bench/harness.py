@@ -178,7 +178,7 @@ def run_bench(
     started = time.perf_counter()
     rates = None
     if cfg.compute_only and not cfg.tta:  # the kernel bound's denominators, measured once
-        rates = trained.machine_rates(cfg.threads)
+        rates = trained.machine_rates(cfg.threads, workers=cfg.nproc)  # every worker runs on this machine
         result["kernel_bound_rates"] = rates
     references = _compute_references(methods)
     profile = None
@@ -298,6 +298,9 @@ def run_bench(
                             compress_bound_s=trained.row_compression_bound_s(r, world=cfg.nproc, rates=rates),
                             compute_full_model_s=compute_only,
                         ))
+                        if rates and "one_process" in rates:  # the bound had the workers' shares; kept: one's own
+                            r["compress_bound_one_process_s"] = trained.row_compression_bound_s(
+                                r, world=cfg.nproc, rates=rates["one_process"])
                     r.pop("grad_shapes", None)  # used; 100s of shapes per row would bury the JSON
                 if profile is not None:
                     try:

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -111,6 +111,38 @@ def matmul_flops_per_s(size: int = 1024, *, device: str | torch.device = "cpu", 
         if i > 0:
             best = min(best, time.perf_counter() - t0)
     return 2.0 * size**3 / best
+
+
+def sustained_rates(window_s: float = 0.5, *, start: Callable[[], Any] | None = None,
+                    n: int = 1 << 24, size: int = 1024) -> dict[str, float]:
+    """Copy bandwidth (read+write bytes/s of ``n`` fp32 elements) and matmul rate (FLOP/s of
+    ``size``-square fp32 products) on the CPU, each sustained over a window of ``window_s``:
+    all the work done in the window over its length.
+
+    Why a window and not a best-of: several processes that run this at once (``start``, e.g. a
+    barrier's ``wait``, is called before each window so that they begin together) share the
+    cores and the memory bus for the whole window, so each measures its share; a best-of
+    would catch the moments the scheduler gave one process a core to itself."""
+    if window_s <= 0:
+        raise UsageError(f"the measuring window must be > 0 s, got {window_s}")
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    a = torch.ones(size, size)
+    b = torch.ones(size, size)
+    dst.copy_(src)  # fault the pages in before the window
+    torch.mm(a, b)
+    rates: dict[str, float] = {}
+    for key, work, amount in (("copy_bytes_per_s", lambda: dst.copy_(src), 8.0 * n),
+                              ("matmul_flops_per_s", lambda: torch.mm(a, b), 2.0 * size**3)):
+        if start is not None:
+            start()
+        t0 = time.perf_counter()
+        done = 0
+        while (elapsed := time.perf_counter() - t0) < window_s:
+            work()
+            done += 1
+        rates[key] = amount * done / elapsed
+    return rates
 
 
 def _check_name(codec_name: str) -> None:

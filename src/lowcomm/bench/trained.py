@@ -89,23 +89,37 @@ def compression_bound_s(spec: str, shapes: list[tuple[int, ...]], *, world: int,
                                                   flops_per_s=flops_per_s, **options))
 
 
-def machine_rates(threads: int | None) -> dict[str, float]:
-    """This machine's copy bandwidth (bytes/s, read + write) and tall-skinny matmul rate
-    (FLOP/s), measured with the workers' threads: the kernel bound's denominators."""
+def machine_rates(threads: int | None, *, workers: int = 1, cpus: int | None = None) -> dict[str, Any]:
+    """The kernel bound's denominators: the copy bandwidth (bytes/s, read + write) and the
+    tall-skinny matmul rate (FLOP/s) one worker has, measured with the workers' threads.
+
+    When ``workers`` processes of ``threads`` threads outnumber the ``cpus`` cores (this
+    machine's by default), every worker runs its kernels while the others run theirs (they are
+    in step), so no worker has one process's rates: the rates are then each process's share
+    with all of them running at once (:func:`lowcomm.bench.compress_probe.measure_shared_rates`),
+    never above one process's. The one-process rates stay under ``one_process``."""
+    import os
+
     import torch
 
     from lowcomm.bench import kernel_bound
+    from lowcomm.bench.compress_probe import measure_shared_rates
+    from lowcomm.sim.calibrate import core_share
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)
     try:
-        return {"copy_bytes_per_s": kernel_bound.copy_bandwidth_bytes_per_s(),
-                "matmul_flops_per_s": kernel_bound.matmul_flops_per_s()}
+        alone = {"copy_bytes_per_s": kernel_bound.copy_bandwidth_bytes_per_s(),
+                 "matmul_flops_per_s": kernel_bound.matmul_flops_per_s()}
     finally:
         torch.set_num_threads(before)
+    if core_share(workers=workers, threads_per_worker=threads or 1, cpus=cpus or os.cpu_count() or 1) <= 1:
+        return alone
+    shared = measure_shared_rates(workers, threads=threads or 1)
+    return {**{k: min(v, shared[k]) for k, v in alone.items()}, "one_process": alone, "workers_at_once": workers}
 
 
-def row_compression_bound_s(row: dict[str, Any], *, world: int, rates: dict[str, float] | None) -> float | None:
+def row_compression_bound_s(row: dict[str, Any], *, world: int, rates: dict[str, Any] | None) -> float | None:
     """The kernel bound of one bench row, from the shapes its workers trained (``grad_shapes``
     in their summary); None when unknown (the bound then uses the measured compression time)."""
     from lowcomm.errors import UsageError
