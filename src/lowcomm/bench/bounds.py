@@ -18,7 +18,11 @@ measured bandwidth; compression work cannot overlap either, so it adds on top::
   aggregate/decode of the workers' payloads and the error-feedback update must read and write,
   at the measured copy bandwidth, or the low-rank matmuls' FLOPs at the measured matmul rate),
   not the method's own measured compression time: a bound that adds a slow kernel's own time
-  flatters the slow kernel.
+  flatters the slow kernel. The rates are one worker's: when the workers outnumber the
+  machine's cores they run their kernels at the same moments, each on its share of the cores
+  and the memory bus, so the rates are then measured with every worker's process at once
+  (:func:`lowcomm.bench.trained.machine_rates`; ``compress_bound_one_process_s`` keeps the
+  bound at one process's rates).
 
 Both older terms stay in the row for comparison (``compute_only_full_model_s``,
 ``compress_s``, ``lower_bound_measured_compress_s``). A row below its bound is a bug in the
