@@ -274,3 +274,21 @@ def test_the_timeline_starts_a_beside_latency_with_the_task_before_it() -> None:
     late = tl.add("w", "compute", 9.0, kind="backward", iteration=0)
     idle = tl.add("d", "comm", 1.0, kind="comm", iteration=0, after=[late], beside=(0.01, 0.5, 0.02))
     assert idle.duration == 1.0  # the link was free: its own duration
+
+
+def test_held_work_runs_between_the_tasks_issued_around_its_ready_time() -> None:
+    from lowcomm.sim.timeline import Timeline
+
+    tl = Timeline()
+    tl.add("bwd.2", "compute", 1.0, kind="backward", iteration=0)
+    tl.add_when_ready("cb", "compute", 0.5, kind="contention", iteration=0, ready=1.5)
+    early = tl.add("bwd.1", "compute", 1.0, kind="backward", iteration=0)  # starts at 1.0 < 1.5: goes first
+    late = tl.add("bwd.0", "compute", 1.0, kind="backward", iteration=0)  # would start at 2.0: after it
+    cb = tl.find("cb")
+    assert (early.start, cb.start, cb.end, late.start) == (1.0, 2.0, 2.5, 2.5)
+    tl.add_when_ready("idle", "compute", 0.5, kind="contention", iteration=0, ready=9.0)
+    after_gap = tl.add("opt", "compute", 1.0, kind="optimizer", iteration=0, after=[tl.add(
+        "ar", "comm", 9.5, kind="comm", iteration=0)])
+    assert tl.find("idle").start == 9.0 and after_gap.start == 9.5  # ran in the idle stream's gap
+    with pytest.raises(ValueError, match="stream"):
+        tl.add_when_ready("x", "nope", 1.0, kind="contention", iteration=0, ready=0.0)

@@ -68,10 +68,11 @@ def test_per_layer_collectives_pay_the_floor_each_in_the_simulator() -> None:
     assert floored.breakdown_s["contention"] == pytest.approx(4 * 1e-2, rel=1e-9)
 
 
-def test_on_shared_cores_a_callbacks_cpu_is_taken_from_compute_too() -> None:
+def test_a_callbacks_work_takes_compute_time_when_the_callback_runs() -> None:
     """Power-SGD's orthogonalization, Q product and decode run in its collectives' callbacks, on
-    the comm chain; with real compute on shared cores their seconds are charged to compute as
-    well, and without contention (a GPU, emulated compute) they are not."""
+    the comm chain; their seconds are charged to compute as well, on shared cores (a core) as
+    without contention (a GPU's stream, emulated compute's device work), and not before the
+    callback runs (an emulated ResNet-50 run had powersgd 10.5 % fast when they were free)."""
     from lowcomm.sim.predict import simulate
     from lowcomm.sim.profile import ComputeCosts
 
@@ -82,13 +83,12 @@ def test_on_shared_cores_a_callbacks_cpu_is_taken_from_compute_too() -> None:
     for loaded in (net, net.with_contention(1e-30)):
         sim, _ = simulate(prof, spec, workers=4, network=loaded)
         side = [t for t in sim.tl.tasks if t.stream == "comm" and t.kind == "compress" and t.duration > 0]
-        charged = {t.name: t.duration for t in sim.tl.tasks if t.kind == "contention" and t.name.startswith("cpu.")}
+        charged = {(t.name, t.iteration): t for t in sim.tl.tasks if t.kind == "contention" and t.name.startswith("cpu.")}
         assert side  # the decode and the round between the two all-reduces
-        if loaded is net:
-            assert not charged
-        else:
-            for t in side:
-                assert charged[f"cpu.{t.name}"] == pytest.approx(t.duration)
+        for t in side:
+            cpu = charged[(f"cpu.{t.name}", t.iteration)]
+            assert cpu.stream == "compute" and cpu.duration == pytest.approx(t.duration)
+            assert cpu.start >= t.start  # when the callback runs, not when its collective was issued
 
 
 def test_measure_contention_runs_on_two_workers() -> None:

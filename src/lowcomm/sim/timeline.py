@@ -8,7 +8,11 @@ comm stream while the compute stream continues with the next layer.
 
 Compression work that DDP runs in a future's callback (e.g. Power-SGD's orthogonalization
 between its two all-reduces) is placed on the comm stream: it sits in the dependency chain
-between collectives and does not delay backward.
+between collectives. Its seconds also take the compute stream's time (a GPU's stream runs its
+kernels between backward's; emulated compute waits for it as for device work; on shared cores
+it takes a core), but *when* the callback runs, not when it was issued: such a task is held
+(:meth:`Timeline.add_when_ready`) and placed on its stream before the first task added after
+it that would start at or after the time it is ready.
 """
 
 from __future__ import annotations
@@ -48,6 +52,30 @@ class Timeline:
         self.tasks: list[Task] = []
         self._free = {s: 0.0 for s in STREAMS}
         self._last: dict[str, Task | None] = {s: None for s in STREAMS}
+        #: per stream, work held until the stream reaches its ready time: (ready, name, seconds, kind, iteration)
+        self._held: dict[str, list[tuple[float, str, float, str, int]]] = {s: [] for s in STREAMS}
+
+    def add_when_ready(self, name: str, stream: str, duration: float, *, kind: str, iteration: int,
+                       ready: float) -> None:
+        """Hold a task that runs on ``stream`` from ``ready`` on, between the tasks issued
+        around then: it is placed before the first task added later that would start at or
+        after ``ready`` (tasks added earlier keep their places; see the module docstring)."""
+        if stream not in self._held:
+            raise ValueError(f"unknown stream {stream!r}")
+        self._held[stream].append((ready, name, duration, kind, iteration))
+        self._held[stream].sort(key=lambda h: h[0])
+
+    def _place_held(self, stream: str, before: float) -> None:
+        """Place the held tasks of ``stream`` that are ready by the time the next task would
+        start (``before``, moved on by each one placed)."""
+        held = self._held[stream]
+        while held and held[0][0] <= max(before, self._free[stream]):
+            ready, name, duration, kind, iteration = held.pop(0)
+            task = Task(name, stream, kind, iteration, max(self._free[stream], ready),
+                        max(self._free[stream], ready) + max(duration, 0.0))
+            self._free[stream] = task.end
+            self._last[stream] = task
+            self.tasks.append(task)
 
     def add(
         self,
@@ -77,6 +105,7 @@ class Timeline:
         if stream not in self._free:
             raise ValueError(f"unknown stream {stream!r}")
         ready = max([0.0, *(t.end for t in after if t is not None)])
+        self._place_held(stream, ready)
         free = self._free[stream]
         start = max(free, ready)
         if free > ready:

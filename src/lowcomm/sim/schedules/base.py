@@ -115,22 +115,20 @@ class Sim:
         """Work on the compute stream (it delays whatever compute is issued after it)."""
         return self.tl.add(name, "compute", seconds, kind=kind, iteration=it, after=after)
 
-    @property
-    def shares_cores(self) -> bool:
-        """Real compute on cores the collective library shares (the network charges its CPU)."""
-        return self.net.cpu_s_per_wire_byte > 0 or self.net.cpu_s_per_collective > 0
-
     def comm_side(self, name: str, seconds: float, it: int, after: Iterable[Task | None] = ()) -> Task:
         """Compression work done in a collective's callback, on the comm chain.
 
-        On shared cores (:attr:`shares_cores`) the callback's CPU is also taken from compute,
-        as a collective's is: the same seconds go to the compute stream (kind ``contention``)
-        when it is issued. Left out, Power-SGD's orthogonalization, Q product and decode ran
-        for free beside backward, and its real-compute rows came out 13-18 % fast (ResNet-18,
-        4 workers on two cores; docs/simulator.md 5.2)."""
+        The same seconds are taken from compute (kind ``contention``) from when the callback
+        runs (:meth:`Timeline.add_when_ready`): on shared cores it is CPU work of the same
+        process, as a collective's is; on a GPU its kernels run on the device between
+        backward's, and emulated compute waits for it as for any device work. Left out,
+        Power-SGD's orthogonalization, Q product and decode ran for free beside backward: its
+        real-compute rows came out 13-18 % fast (ResNet-18, 4 workers on two cores) and its
+        emulated ones 10.5 % (ResNet-50; docs/simulator.md 5.2, 5.3)."""
         task = self.tl.add(name, "comm", seconds, kind="compress", iteration=it, after=after)
-        if self.shares_cores and seconds > 0:
-            self.tl.add(f"cpu.{name}", "compute", seconds, kind="contention", iteration=it)
+        if seconds > 0:
+            self.tl.add_when_ready(f"cpu.{name}", "compute", seconds, kind="contention", iteration=it,
+                                   ready=task.start)
         return task
 
     def collective(self, name: str, collective: str, payload: int, it: int,
