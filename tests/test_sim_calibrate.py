@@ -290,5 +290,8 @@ def test_held_work_runs_between_the_tasks_issued_around_its_ready_time() -> None
     after_gap = tl.add("opt", "compute", 1.0, kind="optimizer", iteration=0, after=[tl.add(
         "ar", "comm", 9.5, kind="comm", iteration=0)])
     assert tl.find("idle").start == 9.0 and after_gap.start == 9.5  # ran in the idle stream's gap
+    tl.add_when_ready("last", "compute", 0.5, kind="contention", iteration=0, ready=20.0)
+    tl.flush()  # nothing follows it: placed at its ready time
+    assert (tl.find("last").start, tl.find("last").end) == (20.0, 20.5)
     with pytest.raises(ValueError, match="stream"):
         tl.add_when_ready("x", "nope", 1.0, kind="contention", iteration=0, ready=0.0)

@@ -72,6 +72,7 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
     schedule.setup(sim)
     for it in range(1, iterations + 1):
         schedule.iteration(sim, it)
+    sim.tl.flush()
     return sim, schedule
 
 

@@ -71,11 +71,16 @@ class Timeline:
         held = self._held[stream]
         while held and held[0][0] <= max(before, self._free[stream]):
             ready, name, duration, kind, iteration = held.pop(0)
-            task = Task(name, stream, kind, iteration, max(self._free[stream], ready),
-                        max(self._free[stream], ready) + max(duration, 0.0))
+            start = max(self._free[stream], ready)
+            task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0))
             self._free[stream] = task.end
             self._last[stream] = task
             self.tasks.append(task)
+
+    def flush(self) -> None:
+        """Place every task still held (the end of a simulation: nothing follows them)."""
+        for stream in STREAMS:
+            self._place_held(stream, float("inf"))
 
     def add(
         self,
