@@ -85,3 +85,13 @@ def test_workers_that_outnumber_the_cores_get_their_share_of_the_kernel_rates(mo
     assert asked == [4] and crowded["workers_at_once"] == 4
     assert crowded["copy_bytes_per_s"] == 1.0  # the share, when below one process's
     assert crowded["matmul_flops_per_s"] == crowded["one_process"]["matmul_flops_per_s"]  # never above it
+
+
+def test_a_failed_shared_measurement_leaves_one_processs_rates_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(workers: int, **kw: Any) -> dict[str, float]:
+        raise RuntimeError("shared probe: a process exited with code -9")
+
+    monkeypatch.setattr(compress_probe, "measure_shared_rates", broken)
+    rates = trained.machine_rates(1, workers=4, cpus=2)
+    assert "exited with code -9" in rates["shared_error"] and "one_process" not in rates
+    assert rates["copy_bytes_per_s"] > 0 and rates["matmul_flops_per_s"] > 0

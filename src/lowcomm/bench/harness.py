@@ -180,6 +180,8 @@ def run_bench(
     if cfg.compute_only and not cfg.tta:  # the kernel bound's denominators, measured once
         rates = trained.machine_rates(cfg.threads, workers=cfg.nproc)  # every worker runs on this machine
         result["kernel_bound_rates"] = rates
+        if "shared_error" in rates:
+            say(f"  kernels' bound at one process's rates (the workers' share not measured: {rates['shared_error']})")
     references = _compute_references(methods)
     profile = None
     predict = cfg.predict and not cfg.tta

@@ -97,7 +97,8 @@ def machine_rates(threads: int | None, *, workers: int = 1, cpus: int | None = N
     machine's by default), every worker runs its kernels while the others run theirs (they are
     in step), so no worker has one process's rates: the rates are then each process's share
     with all of them running at once (:func:`lowcomm.bench.compress_probe.measure_shared_rates`),
-    never above one process's. The one-process rates stay under ``one_process``."""
+    never above one process's. The one-process rates stay under ``one_process``; if that
+    measurement fails, the rates are one process's and ``shared_error`` says why."""
     import os
 
     import torch
@@ -115,7 +116,10 @@ def machine_rates(threads: int | None, *, workers: int = 1, cpus: int | None = N
         torch.set_num_threads(before)
     if core_share(workers=workers, threads_per_worker=threads or 1, cpus=cpus or os.cpu_count() or 1) <= 1:
         return alone
-    shared = measure_shared_rates(workers, threads=threads or 1)
+    try:
+        shared = measure_shared_rates(workers, threads=threads or 1)
+    except RuntimeError as e:  # a probe process died or hung: the bound keeps one process's rates, and says so
+        return {**alone, "shared_error": str(e)}
     return {**{k: min(v, shared[k]) for k, v in alone.items()}, "one_process": alone, "workers_at_once": workers}
 
 
