@@ -91,7 +91,7 @@ def compression_bound_s(spec: str, shapes: list[tuple[int, ...]], *, world: int,
 
 def machine_rates(threads: int | None, *, workers: int = 1, cpus: int | None = None) -> dict[str, Any]:
     """The kernel bound's denominators: the copy bandwidth (bytes/s, read + write) and the
-    tall-skinny matmul rate (FLOP/s) one worker has, measured with the workers' threads.
+    square fp32 matmul rate (FLOP/s, 1024 x 1024) one worker has, measured with the workers' threads.
 
     When ``workers`` processes of ``threads`` threads outnumber the ``cpus`` cores (this
     machine's by default), every worker runs its kernels while the others run theirs (they are
