@@ -148,7 +148,7 @@ def _bypass(spec: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("spec", ["dear:threshold_mb=0", "lee18"])
+@pytest.mark.parametrize("spec", ["dear:threshold_mb=0", "lee18:merge_below=0"])
 def test_parameter_used_outside_its_module_forward_is_refused_for_deferred_schedules(spec: str) -> None:
     msgs = run_distributed(_bypass, 2, spec, timeout=60)
     assert all("'side." in m and "call the module itself" in m for m in msgs), msgs
@@ -299,6 +299,27 @@ def test_fusion_by_threshold_groups_consecutive_layers_in_forward_order() -> Non
     assert fuse_by_threshold(units, 1e12) == [6]
     sizes = fuse_by_threshold(units, 600)
     assert sum(sizes) == 6 and 1 < len(sizes) < 6
+
+
+def layers_with_norms() -> nn.Module:
+    """Three Linear layers (10,100 / 10,100 / 1,010 parameters) with a LayerNorm (200) between."""
+    return nn.Sequential(nn.Linear(100, 100), nn.LayerNorm(100), nn.Linear(100, 100),
+                         nn.LayerNorm(100), nn.Linear(100, 10))
+
+
+def test_layers_under_the_minimum_ride_with_their_neighbour_and_the_rest_keep_their_own_group() -> None:
+    units = collect_units(layers_with_norms())
+    assert fuse_by_threshold(units, 0, 0) == [1] * 5
+    # each norm joins the next layer; the small last Linear and the norm before it close together
+    assert fuse_by_threshold(units, 0, 8192) == [1, 2, 2]
+    assert fuse_by_threshold(units, 0, 10**9) == [5]
+
+
+def test_lee18_merges_layers_under_mgwfbps_8192_elements_by_default_and_not_with_merge_below_0() -> None:
+    for spec, sizes in (("lee18", [1, 2, 2]), ("lee18:merge_below=0", [1] * 5)):
+        method = methods.create(spec)
+        method.wrap(layers_with_norms(), MethodContext())
+        assert [len(g.units) for g in method.engine.groups] == sizes, spec
 
 
 # --- one process ----------------------------------------------------------------------------------

@@ -130,9 +130,19 @@ def test_a_fusion_threshold_fuses_layers_into_fewer_exchanges_and_saves_their_la
     # eight 16 KiB layers on a 1 ms-latency link: one group per layer pays eight latencies of
     # each collective, a 1 MiB threshold one
     prof = conv_profile([[64, 64]] * 8, 1e-4, 2e-4, 1e-4)
-    per_layer = predict_iteration_time(prof, "lee18", workers=4, network=SLOW)
+    per_layer = predict_iteration_time(prof, "lee18:merge_below=0", workers=4, network=SLOW)
     fused = predict_iteration_time(prof, "lee18:threshold_mb=1", workers=4, network=SLOW)
     exchanges = [t for t in fused.timeline.of_iteration(2) if t.name.startswith("rs.")]
     assert len(exchanges) == 1
     assert len([t for t in per_layer.timeline.of_iteration(2) if t.name.startswith("rs.")]) == 8
     assert fused.iter_time_s < per_layer.iter_time_s - 5e-3
+
+
+def test_layers_under_8192_elements_ride_with_their_neighbour_unless_merge_below_is_0() -> None:
+    # 4,096-element layers: by default two of them fill a group, as the engine groups them
+    prof = conv_profile([[64, 64]] * 8, 1e-4, 2e-4, 1e-4)
+    counts = []
+    for spec in ("lee18", "lee18:merge_below=0"):
+        timeline = predict_iteration_time(prof, spec, workers=4, network=SLOW).timeline
+        counts.append(len([t for t in timeline.of_iteration(2) if t.name.startswith("rs.")]))
+    assert counts == [4, 8]

@@ -375,10 +375,12 @@ class Lee18(ModelParallelFC, EngineMethod):
 
     def setup(self, engine: Engine) -> None:
         """``update=layer``: step each group's shard as its reduce-scatter completes;
-        ``threshold_mb``: fuse layers into groups of that size."""
+        ``threshold_mb``: fuse layers into groups of that size; ``merge_below``: layers
+        smaller than that ride with their neighbour."""
         engine.layer.requested = self.options.update == "layer"
-        if self.options.threshold_mb > 0:  # fused groups instead of the paper's one per layer
-            engine.set_grouping(fuse_by_threshold(engine.units, self.options.threshold_mb * MB))
+        opts = self.options
+        if opts.threshold_mb > 0 or opts.merge_below > 0:  # else the paper's strict one per layer
+            engine.set_grouping(fuse_by_threshold(engine.units, opts.threshold_mb * MB, opts.merge_below))
 
     def describe(self) -> dict[str, Any]:
         """Adds why ``update=layer`` ran the end-of-step update instead, if it did."""

@@ -73,19 +73,25 @@ def check_sizes(sizes: list[int], n_units: int) -> None:
         raise ValueError(f"group sizes {sizes} do not partition {n_units} units")
 
 
-def fuse_by_threshold(units: list[Unit], threshold_bytes: float) -> list[int]:
-    """Greedy fusion in forward order: close a group once it holds ``threshold_bytes``.
+def fuse_by_threshold(units: list[Unit], threshold_bytes: float, min_numel: int = 0) -> list[int]:
+    """Greedy fusion in forward order: close a group once it holds ``threshold_bytes`` and at
+    least ``min_numel`` elements.
 
-    ``threshold_bytes <= 0`` gives one group per unit (plain WFBP).
+    ``threshold_bytes <= 0`` and ``min_numel <= 0`` give one group per unit (plain WFBP);
+    ``min_numel`` alone keeps one group per layer but lets layers smaller than it (BatchNorm's
+    affine pair, a lone bias) ride with their neighbours, as MG-WFBP always merges tensors under
+    :data:`lowcomm.sched.cost.SMALL_TENSOR_ELEMS`: each of them would pay a collective's whole
+    start-up cost for a few kilobytes.
     """
     sizes: list[int] = []
-    count, acc = 0, 0
+    count, acc, elems = 0, 0, 0
     for u in units:
         count += 1
         acc += u.nbytes
-        if acc >= threshold_bytes:
+        elems += u.numel
+        if acc >= threshold_bytes and elems >= min_numel:
             sizes.append(count)
-            count, acc = 0, 0
+            count, acc, elems = 0, 0, 0
     if count:
         sizes.append(count)
     return sizes

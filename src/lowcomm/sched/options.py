@@ -18,6 +18,7 @@ from typing import Any
 
 from lowcomm.compress.codec import CODECS, Codec, codec_class
 from lowcomm.errors import UsageError, check_positive
+from lowcomm.sched.cost import SMALL_TENSOR_ELEMS
 from lowcomm.sched.pairing import Mode, mode_refusal
 from lowcomm.sched.tune import check_bayes_opt
 
@@ -63,12 +64,16 @@ class Lee18Fields(EngineFields):
 
     update: str = "layer"
     threshold_mb: float = 0.0  # 0: one group per layer (the paper); > 0: fused groups of that size
+    # a group closes only once it holds this many elements: layers smaller than MG-WFBP's
+    # 8192 (BatchNorm, a lone bias) ride with their neighbour; 0: strictly one group per layer
+    merge_below: int = SMALL_TENSOR_ELEMS
 
     def __post_init__(self) -> None:
         self.update = str(self.update).strip().lower()
         if self.update not in LEE18_UPDATES:
             raise UsageError(f"lee18: update={self.update!r} is not valid; valid: {', '.join(LEE18_UPDATES)}")
         check_positive("lee18: threshold_mb", self.threshold_mb, allow_zero=True)
+        check_positive("lee18: merge_below", self.merge_below, allow_zero=True)
 
 
 @dataclass

@@ -99,19 +99,21 @@ class MGWFBP(BucketSchedule):
         self.buckets = layer_buckets(sim, self.groups)
 
 
-def forward_groups(sim: Sim, threshold_bytes: float) -> list[list[int]]:
-    """Consecutive layers in forward order, a group closed once it reaches the threshold."""
+def forward_groups(sim: Sim, threshold_bytes: float, min_numel: int = 0) -> list[list[int]]:
+    """Consecutive layers in forward order, a group closed once it reaches the threshold and
+    holds at least ``min_numel`` elements (:func:`lowcomm.sched.groups.fuse_by_threshold`)."""
     groups: list[list[int]] = []
     cur: list[int] = []
-    size = 0
+    size = elems = 0
     for i, layer in enumerate(sim.profile.layers):
         if layer.numel == 0:
             continue
         cur.append(i)
         size += sim.layer_bytes(i)
-        if size >= threshold_bytes:
+        elems += layer.numel
+        if size >= threshold_bytes and elems >= min_numel:
             groups.append(cur)
-            cur, size = [], 0
+            cur, size, elems = [], 0, 0
     if cur:
         groups.append(cur)
     return groups

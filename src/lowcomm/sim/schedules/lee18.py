@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lowcomm.sched.cost import SMALL_TENSOR_ELEMS
 from lowcomm.sched.pairing import Mode
 from lowcomm.sim.schedules.base import MIB, Sim
 from lowcomm.sim.schedules.engine import _ShardedSchedule, forward_groups
@@ -22,6 +23,7 @@ class Lee18Options:
 
     update: str = "layer"
     threshold_mb: float = 0.0
+    merge_below: int = SMALL_TENSOR_ELEMS
 
 
 class Lee18(_ShardedSchedule):
@@ -53,9 +55,11 @@ class Lee18(_ShardedSchedule):
         self.updated: list[int] = []
 
     def group_plan(self, sim: Sim) -> list[list[int]]:
-        """One group per layer with parameters (``threshold_mb=0``, the paper), or layers
-        fused in forward order into groups of ``threshold_mb``."""
-        return forward_groups(sim, float(self.opt("threshold_mb", 0.0)) * MIB)
+        """One group per layer with parameters (``threshold_mb=0``, the paper), layers under
+        ``merge_below`` elements riding with their neighbour, or layers fused in forward order
+        into groups of ``threshold_mb``."""
+        return forward_groups(sim, float(self.opt("threshold_mb", 0.0)) * MIB,
+                              int(self.opt("merge_below", SMALL_TENSOR_ELEMS)))
 
     def update_s(self, sim: Sim, g: int) -> float:
         """Seconds of group ``g``'s shard update: its share of ``optimizer_s / P``."""
