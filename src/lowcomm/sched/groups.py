@@ -11,7 +11,7 @@ produce and what rank 0 broadcasts so every rank uses the same plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -73,11 +73,14 @@ def check_sizes(sizes: list[int], n_units: int) -> None:
         raise ValueError(f"group sizes {sizes} do not partition {n_units} units")
 
 
-def fuse_by_threshold(units: list[Unit], threshold_bytes: float, min_numel: int = 0) -> list[int]:
-    """Greedy fusion in forward order: close a group once it holds ``threshold_bytes`` and at
-    least ``min_numel`` elements.
+def fuse_sizes(nbytes: Sequence[int], numels: Sequence[int], threshold_bytes: float,
+               min_numel: int = 0) -> list[int]:
+    """Greedy fusion in forward order of layers given by their bytes and elements: close a
+    group once it holds ``threshold_bytes`` and at least ``min_numel`` elements; the group
+    sizes (layer counts). The engine (:func:`fuse_by_threshold`) and the simulator
+    (:func:`lowcomm.sim.schedules.engine.forward_groups`) both group with it.
 
-    ``threshold_bytes <= 0`` and ``min_numel <= 0`` give one group per unit (plain WFBP);
+    ``threshold_bytes <= 0`` and ``min_numel <= 0`` give one group per layer (plain WFBP);
     ``min_numel`` alone keeps one group per layer but lets layers smaller than it (BatchNorm's
     affine pair, a lone bias) ride with their neighbours, as MG-WFBP always merges tensors under
     :data:`lowcomm.sched.cost.SMALL_TENSOR_ELEMS`: each of them would pay a collective's whole
@@ -85,16 +88,21 @@ def fuse_by_threshold(units: list[Unit], threshold_bytes: float, min_numel: int 
     """
     sizes: list[int] = []
     count, acc, elems = 0, 0, 0
-    for u in units:
+    for b, n in zip(nbytes, numels, strict=True):
         count += 1
-        acc += u.nbytes
-        elems += u.numel
+        acc += b
+        elems += n
         if acc >= threshold_bytes and elems >= min_numel:
             sizes.append(count)
             count, acc, elems = 0, 0, 0
     if count:
         sizes.append(count)
     return sizes
+
+
+def fuse_by_threshold(units: list[Unit], threshold_bytes: float, min_numel: int = 0) -> list[int]:
+    """:func:`fuse_sizes` over ``units``, in forward order."""
+    return fuse_sizes([u.nbytes for u in units], [u.numel for u in units], threshold_bytes, min_numel)
 
 
 @dataclass

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 from lowcomm.compress.codec import CodecCost
 from lowcomm.sched.deferred import AHEAD_BYTES
+from lowcomm.sched.groups import fuse_sizes
 from lowcomm.sched.pairing import Mode
 
 from lowcomm.sim.schedules.base import MIB, Schedule, Sim, groups_of, layer_buckets
@@ -100,23 +101,12 @@ class MGWFBP(BucketSchedule):
 
 
 def forward_groups(sim: Sim, threshold_bytes: float, min_numel: int = 0) -> list[list[int]]:
-    """Consecutive layers in forward order, a group closed once it reaches the threshold and
-    holds at least ``min_numel`` elements (:func:`lowcomm.sched.groups.fuse_by_threshold`)."""
-    groups: list[list[int]] = []
-    cur: list[int] = []
-    size = elems = 0
-    for i, layer in enumerate(sim.profile.layers):
-        if layer.numel == 0:
-            continue
-        cur.append(i)
-        size += sim.layer_bytes(i)
-        elems += layer.numel
-        if size >= threshold_bytes and elems >= min_numel:
-            groups.append(cur)
-            cur, size, elems = [], 0, 0
-    if cur:
-        groups.append(cur)
-    return groups
+    """Consecutive layers with parameters in forward order, grouped as the engine groups them
+    (:func:`lowcomm.sched.groups.fuse_sizes`)."""
+    layers = [i for i, layer in enumerate(sim.profile.layers) if layer.numel > 0]
+    sizes = fuse_sizes([sim.layer_bytes(i) for i in layers], [sim.profile.layers[i].numel for i in layers],
+                       threshold_bytes, min_numel)
+    return [g[::-1] for g in groups_of(sim, sizes)[::-1]]  # groups_of gives backward order
 
 
 class _ShardedSchedule(Schedule):
