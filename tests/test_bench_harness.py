@@ -357,10 +357,17 @@ def test_with_emulated_compute_the_codecs_are_timed_together_and_price_the_rows(
     def probe(cfg: harness.BenchConfig, cluster: Any, bits: float, work: Path) -> dict[str, Any]:
         return {"workers": 2, "small_s": {"all_reduce": 2e-3}, "large": {"all_reduce": [4_000_000, 0.5]}}
 
+    contention: list[Any] = []
+
+    def contention_probe(cfg: harness.BenchConfig, cluster: Any) -> dict[str, float]:
+        contention.append(cluster)  # measured for emulated compute too: it slows the host work
+        return {"cpu_s_per_wire_byte": 0.0, "cpu_s_per_collective": 0.0}
+
     cfg = config(tmp_path, ["fp16"], predict=True, extra_train_args=["--compute", "emulated:scale=5"])
     result = harness.run_bench(cfg, launcher=fake_launcher, profiler=lambda c: prof, collective_probe=probe,
-                               compress_probe=compress_probe)
+                               compress_probe=compress_probe, contention_probe=contention_probe)
     assert calls == [([[500, 1000], [1000]], 2)]  # the profiled model's gradients, one process per worker
+    assert contention == [None]
     assert result["prediction"]["shared_compressors"] == table
     fp16 = next(r for r in result["runs"] if r["method"] == "fp16")
     assert fp16["predicted_breakdown_s"]["compress"] == pytest.approx(501000 * 2e-7)

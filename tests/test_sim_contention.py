@@ -97,3 +97,50 @@ def test_measure_contention_runs_on_two_workers() -> None:
     assert res["cpu_s_per_wire_byte"] >= 0.0 and res["cpu_s_per_collective"] >= 0.0
     assert res["small_payload_bytes"] == 16 * 1024
     assert all(r["all_reduces"] >= 3 and r["small_all_reduces"] >= 3 for r in res["per_rank"])
+
+
+def test_with_emulated_compute_a_transfers_cpu_slows_only_the_host_work_beside_it() -> None:
+    """Emulated layers wait and need no core; the codecs and the optimizer are CPU work of the
+    process whose gloo threads move the bytes, so they progress at 1 - r while collectives
+    taking r of a core per second run (8 workers on two cores: fp16 and PyTorch's fp16 hook
+    were predicted 15-17 % fast without it)."""
+    from lowcomm.sim.timeline import Timeline
+
+    tl = Timeline()
+    tl.host_kinds = frozenset({"compress"})
+    comm = tl.add("ar", "comm", 1.0, kind="comm", iteration=0)
+    comm.cpu_s = 0.5  # half a core for its whole second
+    wait = tl.add("bwd", "compute", 0.25, kind="backward", iteration=0)
+    assert wait.duration == pytest.approx(0.25)  # a wait: untouched
+    enc = tl.add("enc", "compute", 0.5, kind="compress", iteration=0)
+    # from 0.25 to 1.0 at half speed (0.375 s of work), the last 0.125 s at full speed
+    assert (enc.start, enc.end) == (pytest.approx(0.25), pytest.approx(1.125))
+    after = tl.add("dec", "compute", 0.5, kind="compress", iteration=0)
+    assert after.duration == pytest.approx(0.5)  # nothing in flight any more
+    assert Timeline().host_seconds(0.0, 0.3) == 0.3  # nothing placed: no change
+
+
+def test_host_contention_lengthens_the_codecs_beside_transfers_and_not_the_layers() -> None:
+    from lowcomm.sim.predict import simulate
+    from lowcomm.sim.profile import ComputeCosts
+
+    prof = _profile()
+    prof.costs = ComputeCosts(elementwise_s_per_elem=1e-7)  # codecs long enough to meet transfers
+    net = NetworkModel.from_probe(1e8, 1e-4)  # 100 Mbit/s: each bucket still in flight at the next encode
+    host = net.with_contention(5e-9, on="host")
+    assert host.describe()["contention_on"] == "host"
+    plain = predict_iteration_time(prof, "fp16", workers=4, network=net, bucket_mb=1.0)
+    loaded = predict_iteration_time(prof, "fp16", workers=4, network=host, bucket_mb=1.0)
+    assert loaded.breakdown_s["compress"] > plain.breakdown_s["compress"]  # encodes beside transfers
+    assert loaded.iter_time_s >= plain.iter_time_s
+    for phase in ("forward", "backward"):
+        assert loaded.breakdown_s[phase] == pytest.approx(plain.breakdown_s[phase])
+    sim, _ = simulate(prof, "fp16", workers=4, network=host, bucket_mb=1.0)
+    collectives = {t.name for t in sim.tl.tasks if t.kind == "comm"}
+    assert all(t.cpu_s > 0 for t in sim.tl.tasks if t.kind == "comm")
+    # carried by the collectives, not charged to the compute stream as with real compute
+    assert not [t for t in sim.tl.tasks if t.kind == "contention" and t.name[len("cpu."):] in collectives]
+    assert predict_iteration_time(prof, "nocomm", workers=4, network=host).iter_time_s == pytest.approx(
+        predict_iteration_time(prof, "nocomm", workers=4, network=net).iter_time_s)
+    with pytest.raises(UsageError, match="valid: compute, host"):
+        net.with_contention(1e-9, on="gpu")

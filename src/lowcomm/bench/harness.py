@@ -236,10 +236,11 @@ def run_bench(
                     if info["collectives"].get("error"):
                         say(f"  {info['collectives']['error']}; predictions use alpha = RTT/2")
                 contention: dict[str, float] = {}
-                if profile is not None and result["compute"] == "real":
+                if profile is not None:
                     # measured on this network's links: the CPU a byte costs through the emulated
                     # links (veth, bridge, shaping, TCP at the shaped rate) is 3x loopback's at
-                    # 1 Gbit/s and 40x at 100 Mbit/s here (docs/simulator.md 5.2)
+                    # 1 Gbit/s and 40x at 100 Mbit/s here (docs/simulator.md 5.2); with emulated
+                    # compute it slows the host work beside the transfers (5.3)
                     say("  measuring the CPU gloo's threads take from compute on this network ...")
                     try:
                         contention = (contention_probe or gloo_contention)(cfg, cluster)

@@ -115,8 +115,10 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
 
     ``contention_s_per_byte`` (:func:`lowcomm.bench.contention.measure_contention`): the compute
     seconds gloo's threads take per wire byte when workers share this machine's cores, and
-    ``contention_s_per_collective`` the least a collective takes; charged to rows with real
-    compute only (emulated compute waits, leaving the cores to gloo).
+    ``contention_s_per_collective`` the least a collective takes; charged to the compute of rows
+    with real compute, and to the host work beside each transfer (the codecs, the optimizer) of
+    rows with emulated compute, whose layers wait and leave the cores to gloo
+    (:meth:`lowcomm.sim.timeline.Timeline.host_seconds`).
     ``cpu_share`` (:func:`lowcomm.sim.calibrate.core_share`): how much slower the workers' real
     CPU work runs when they run it at once; applied to the compression costs of rows with
     emulated compute (with real compute the ``nocomm`` calibration already carries it).
@@ -159,7 +161,8 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
         spec = r.get("spec_run") or r["method"]
         try:
             emulated = str(r.get("compute", "real")).startswith("emulated")
-            shared = net if emulated else net.with_contention(contention_s_per_byte, contention_s_per_collective)
+            shared = net.with_contention(contention_s_per_byte, contention_s_per_collective,
+                                         on="host" if emulated else "compute")
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
             try:

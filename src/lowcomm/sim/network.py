@@ -112,6 +112,9 @@ class NetworkModel:
     #: the least compute a collective takes that way, however small (thread wake-ups, syscalls,
     #: a Python hook), measured with a small payload: a collective costs the larger of the two
     cpu_s_per_collective: float = field(default=0.0, compare=False)
+    #: what that CPU slows: ``compute`` (real compute: every compute second needs a core) or
+    #: ``host`` (emulated compute, whose layers are waits: only the host work beside a transfer)
+    contention_on: str = field(default="compute", compare=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -162,14 +165,17 @@ class NetworkModel:
         """Seconds per wire byte of collective ``kind`` (link β times its calibrated scale)."""
         return self.inter.beta_s_per_byte * float(self.collective_beta_scale.get(kind, 1.0))
 
-    def with_contention(self, cpu_s_per_wire_byte: float, cpu_s_per_collective: float = 0.0) -> NetworkModel:
-        """A copy charging compute to each collective (:meth:`contention_s`): real compute on
-        CPU cores shared with the collective library."""
+    def with_contention(self, cpu_s_per_wire_byte: float, cpu_s_per_collective: float = 0.0, *,
+                        on: str = "compute") -> NetworkModel:
+        """A copy charging each collective's CPU (:meth:`contention_s`) to ``on`` (see
+        :attr:`contention_on`): workers on CPU cores shared with the collective library."""
         for name, v in (("cpu_s_per_wire_byte", cpu_s_per_wire_byte), ("cpu_s_per_collective", cpu_s_per_collective)):
             if v < 0 or v != v:
                 raise UsageError(f"{name} must be >= 0, got {v}")
+        if on not in ("compute", "host"):
+            raise UsageError(f"contention charged to {on!r}; valid: compute, host")
         return replace(self, cpu_s_per_wire_byte=float(cpu_s_per_wire_byte),
-                       cpu_s_per_collective=float(cpu_s_per_collective))
+                       cpu_s_per_collective=float(cpu_s_per_collective), contention_on=on)
 
     def contention_s(self, wire_bytes: float) -> float:
         """Compute seconds a collective moving ``wire_bytes`` takes from a worker sharing its
@@ -211,7 +217,8 @@ class NetworkModel:
                     "queued_overlap": list(self.queued_overlap) if self.queued_alpha else None,
                     "beside_alpha_s": dict(self.beside_alpha),
                     "cpu_s_per_wire_byte": self.cpu_s_per_wire_byte,
-                    "cpu_s_per_collective": self.cpu_s_per_collective}
+                    "cpu_s_per_collective": self.cpu_s_per_collective,
+                    "contention_on": self.contention_on if self.contention_s(1.0) > 0 else None}
         d.update({k: v for k, v in optional.items() if v})
         if self.intra is not None and (self.algorithm in ("hierarchical", "hybrid") or self.gpus_per_node > 1):
             d.update(intra_alpha_s=self.intra.alpha_s,
@@ -237,10 +244,6 @@ class NetworkModel:
         if self.intra is not None and 1 < p <= self.gpus_per_node:
             return ring_all_reduce(self.intra, nbytes, p)
         return ring_all_reduce(Link(self.alpha_for("all_reduce"), self.beta_for("all_reduce")), nbytes, p)
-
-    def hierarchical_all_reduce(self, nbytes: float, p: int) -> float:
-        """Intra-node reduce-scatter, inter-node all-reduce of n/G, intra-node all-gather."""
-        return self._hierarchical_all_reduce(nbytes, p)
 
     def hybrid_choice(self, nbytes: float, p: int) -> str:
         """``hierarchical`` or ``flat``: the faster all-reduce of ``nbytes`` under this model
@@ -280,17 +283,13 @@ class NetworkModel:
         return inter._flat(collective, nbytes, nodes)
 
     def _flat(self, collective: str, nbytes: float, p: int) -> float:
-        if collective == "all_reduce":
-            return self.all_reduce(nbytes, p)
-        if collective == "reduce_scatter":
-            return self.reduce_scatter(nbytes, p)
-        if collective == "all_gather":
-            return self.all_gather(nbytes, p)
-        if collective == "broadcast":
-            return self.broadcast(nbytes, p)
+        kinds = {"all_reduce": self.all_reduce, "reduce_scatter": self.reduce_scatter,
+                 "all_gather": self.all_gather, "broadcast": self.broadcast}
         if collective == "p2p":
             return self.point_to_point(nbytes) if p > 1 else 0.0
-        raise ValueError(collective)
+        if collective not in kinds:
+            raise ValueError(collective)
+        return kinds[collective](nbytes, p)
 
     def inter_bytes(self, collective: str, payload: int, p: int, scope: str = "world",
                     algorithm: str = "flat") -> float:
@@ -342,12 +341,13 @@ class NetworkModel:
             return 2 * math.ceil(math.log2(p)) * self.alpha_s + 2 * nbytes * self.beta_s_per_byte
         if self.algorithm in ("hierarchical", "hybrid"):
             return self.all_reduce_with(self.algorithm, nbytes, p) if self.levels(p) is not None \
-                else self._hierarchical_all_reduce(nbytes, p)
+                else self.hierarchical_all_reduce(nbytes, p)
         if self.levels(p) is not None:
             return self.flat_all_reduce(nbytes, p)
         return ring_all_reduce(Link(self.alpha_for("all_reduce"), self.beta_for("all_reduce")), nbytes, p)
 
-    def _hierarchical_all_reduce(self, nbytes: float, p: int) -> float:
+    def hierarchical_all_reduce(self, nbytes: float, p: int) -> float:
+        """Intra-node reduce-scatter, inter-node all-reduce of n/G, intra-node all-gather."""
         assert self.intra is not None
         g = min(self.gpus_per_node, p)
         nodes = math.ceil(p / g)

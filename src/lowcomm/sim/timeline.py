@@ -13,14 +13,22 @@ kernels between backward's; emulated compute waits for it as for device work; on
 it takes a core), but *when* the callback runs, not when it was issued: such a task is held
 (:meth:`Timeline.add_when_ready`) and placed on its stream before the first task added after
 it that would start at or after the time it is ready.
+
+With emulated compute on shared cores (:attr:`Timeline.host_kinds` set) the layers are waits,
+but the host work (the codecs, the optimizer) is CPU work of the same process as the
+collectives' threads: a host task runs slower while collectives with a CPU cost
+(:attr:`Task.cpu_s`) are in flight (:meth:`Timeline.host_seconds`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable
 
 STREAMS = ("compute", "comm")
+#: the least speed host work keeps beside collectives (their measured CPU per byte is an average)
+MIN_HOST_SPEED = 0.05
 
 
 @dataclass
@@ -35,6 +43,8 @@ class Task:
     wire_bytes: int = 0
     #: of ``wire_bytes``, what crosses inter-node links (the accounting layer's link classes)
     inter_bytes: float = 0.0
+    #: a collective's CPU seconds, spread over its run, that host work beside it loses
+    cpu_s: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -54,6 +64,25 @@ class Timeline:
         self._last: dict[str, Task | None] = {s: None for s in STREAMS}
         #: per stream, work held until the stream reaches its ready time: (ready, name, seconds, kind, iteration)
         self._held: dict[str, list[tuple[float, str, float, str, int]]] = {s: [] for s in STREAMS}
+        #: kinds of compute-stream task that are host CPU work slowed by collectives' ``cpu_s``
+        self.host_kinds: frozenset[str] = frozenset()
+
+    def host_seconds(self, start: float, seconds: float) -> float:
+        """How long ``seconds`` of host work from ``start`` take beside the collectives placed
+        so far: while collectives whose CPU adds up to ``r`` per second run, it progresses at
+        ``1 - r`` (never below :data:`MIN_HOST_SPEED`). Collectives placed later are not seen."""
+        flights = [t for t in self.tasks if t.cpu_s > 0 and t.end > start and t.duration > 0]
+        if not flights or seconds <= 0:
+            return seconds
+        t, left = start, seconds
+        for edge in [*sorted({e for f in flights for e in (f.start, f.end) if e > start}), math.inf]:
+            rate = sum(f.cpu_s / f.duration for f in flights if f.start <= t < f.end)
+            speed = max(1.0 - rate, MIN_HOST_SPEED)
+            if t + left / speed <= edge:
+                return t + left / speed - start
+            left -= (edge - t) * speed
+            t = edge
+        return seconds  # not reached: the last edge is infinite
 
     def add_when_ready(self, name: str, stream: str, duration: float, *, kind: str, iteration: int,
                        ready: float) -> None:
@@ -72,6 +101,8 @@ class Timeline:
         while held and held[0][0] <= max(before, self._free[stream]):
             ready, name, duration, kind, iteration = held.pop(0)
             start = max(self._free[stream], ready)
+            if kind in self.host_kinds and stream == "compute":
+                duration = self.host_seconds(start, duration)
             task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0))
             self._free[stream] = task.end
             self._last[stream] = task
@@ -121,6 +152,8 @@ class Timeline:
                 duration = max(wire_s, least_s, began + latency_s - free)
             elif queued_duration is not None:
                 duration = queued_duration
+        if kind in self.host_kinds and stream == "compute":
+            duration = self.host_seconds(start, duration)
         task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes)
         self._free[stream] = task.end
         self._last[stream] = task

@@ -62,6 +62,9 @@ class Bucket:
         return min(t.layer for t in self.tensors)
 
 
+#: the compute-stream work that is host CPU work under emulated compute (the layers are waits)
+HOST_KINDS = frozenset({"compress", "optimizer", "contention"})
+
 #: an SGD step's time without its momentum, as a share of the step with it (bytes moved per
 #: parameter with weight decay, 24 of 44: :meth:`Schedule.optimizer_s`)
 STEP_WITHOUT_MOMENTUM = 24 / 44
@@ -82,6 +85,8 @@ class Sim:
         self.net_queued = network.queued()  # collectives that wait for the link (None: same α)
         self.net_beside = network.beside()  # ... beside a transfer (None: not measured)
         self.tl = Timeline()
+        if network.contention_on == "host" and network.contention_s(1.0) > 0:
+            self.tl.host_kinds = HOST_KINDS
         self.bpe = profile.bytes_per_elem
         self.c = profile.costs
         #: seconds of one optimizer step: the schedule's :meth:`Schedule.optimizer_s` (``simulate``
@@ -163,7 +168,11 @@ class Sim:
         task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
                            wire_bytes=wire, inter_bytes=inter, queued_duration=queued, beside=beside)
         cpu = self.net.contention_s(wire)
-        if cpu > 0:
+        if cpu > 0 and self.net.contention_on == "host":
+            # Emulated compute: the layers wait, so the CPU the library's threads take slows
+            # only the host work that runs beside the transfer (Timeline.host_seconds).
+            task.cpu_s = cpu
+        elif cpu > 0:
             # Real compute sharing cores with the library's threads: the CPU they take is
             # charged to the compute stream when the collective is issued (not to the comm
             # stream: the wire time is the probe's, which already includes those threads).
