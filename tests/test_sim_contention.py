@@ -108,8 +108,7 @@ def test_with_emulated_compute_a_transfers_cpu_slows_only_the_host_work_beside_i
 
     tl = Timeline()
     tl.host_kinds = frozenset({"compress"})
-    comm = tl.add("ar", "comm", 1.0, kind="comm", iteration=0)
-    comm.cpu_s = 0.5  # half a core for its whole second
+    tl.add("ar", "comm", 1.0, kind="comm", iteration=0, cpu_s=0.5)  # half a core for its whole second
     wait = tl.add("bwd", "compute", 0.25, kind="backward", iteration=0)
     assert wait.duration == pytest.approx(0.25)  # a wait: untouched
     enc = tl.add("enc", "compute", 0.5, kind="compress", iteration=0)

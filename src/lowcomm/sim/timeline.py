@@ -126,6 +126,7 @@ class Timeline:
         inter_bytes: float = 0.0,
         queued_duration: float | None = None,
         beside: tuple[float, float, float] | None = None,
+        cpu_s: float = 0.0,
     ) -> Task:
         """Append a task: it starts when its stream is free and every ``after`` task has ended.
         ``queued_duration``: its duration instead when it had to wait for the stream (its
@@ -137,7 +138,10 @@ class Timeline:
         runs from when the task before it started (or its dependencies ended, if later) and
         only its transfer waits for the link: it takes ``max(wire_s, least_s, max(previous
         start, ready) + latency_s - free)``, ``least_s`` being what the probe measured such a
-        collective to cost beside a transfer (the CPU its steps still need)."""
+        collective to cost beside a transfer (the CPU its steps still need).
+
+        ``cpu_s``: a collective's CPU, which slows the host work placed beside it later
+        (:meth:`host_seconds`)."""
         if stream not in self._free:
             raise ValueError(f"unknown stream {stream!r}")
         ready = max([0.0, *(t.end for t in after if t is not None)])
@@ -154,7 +158,7 @@ class Timeline:
                 duration = queued_duration
         if kind in self.host_kinds and stream == "compute":
             duration = self.host_seconds(start, duration)
-        task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes)
+        task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes, cpu_s)
         self._free[stream] = task.end
         self._last[stream] = task
         self.tasks.append(task)

@@ -165,14 +165,13 @@ class Sim:
             algorithm = self.net.algorithm if self.net.algorithm in ("hierarchical", "hybrid") else "flat"
         wire = self.net.wire_bytes_of(collective, payload, p, scope, algorithm)
         inter = self.net.inter_bytes(collective, payload, p, scope, algorithm)
-        task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after,
-                           wire_bytes=wire, inter_bytes=inter, queued_duration=queued, beside=beside)
         cpu = self.net.contention_s(wire)
-        if cpu > 0 and self.net.contention_on == "host":
-            # Emulated compute: the layers wait, so the CPU the library's threads take slows
-            # only the host work that runs beside the transfer (Timeline.host_seconds).
-            task.cpu_s = cpu
-        elif cpu > 0:
+        # Emulated compute: the layers wait, so the CPU the library's threads take slows only
+        # the host work that runs beside the transfer (Timeline.host_seconds).
+        on_host = cpu if self.net.contention_on == "host" else 0.0
+        task = self.tl.add(name, "comm", t, kind="comm", iteration=it, after=after, wire_bytes=wire,
+                           inter_bytes=inter, queued_duration=queued, beside=beside, cpu_s=on_host)
+        if cpu > 0 and not on_host:
             # Real compute sharing cores with the library's threads: the CPU they take is
             # charged to the compute stream when the collective is issued (not to the comm
             # stream: the wire time is the probe's, which already includes those threads).
