@@ -66,12 +66,14 @@ class Timeline:
         self._held: dict[str, list[tuple[float, str, float, str, int]]] = {s: [] for s in STREAMS}
         #: kinds of compute-stream task that are host CPU work slowed by collectives' ``cpu_s``
         self.host_kinds: frozenset[str] = frozenset()
+        #: the placed tasks with a CPU cost (``cpu_s``), so host work need not scan every task
+        self._charged: list[Task] = []
 
     def host_seconds(self, start: float, seconds: float) -> float:
         """How long ``seconds`` of host work from ``start`` take beside the collectives placed
         so far: while collectives whose CPU adds up to ``r`` per second run, it progresses at
         ``1 - r`` (never below :data:`MIN_HOST_SPEED`). Collectives placed later are not seen."""
-        flights = [t for t in self.tasks if t.cpu_s > 0 and t.end > start and t.duration > 0]
+        flights = [t for t in self._charged if t.end > start and t.duration > 0]
         if not flights or seconds <= 0:
             return seconds
         t, left = start, seconds
@@ -159,6 +161,8 @@ class Timeline:
         if kind in self.host_kinds and stream == "compute":
             duration = self.host_seconds(start, duration)
         task = Task(name, stream, kind, iteration, start, start + max(duration, 0.0), wire_bytes, inter_bytes, cpu_s)
+        if cpu_s > 0:
+            self._charged.append(task)
         self._free[stream] = task.end
         self._last[stream] = task
         self.tasks.append(task)
