@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowcomm.comm import accounting
+from lowcomm.comm import accounting, buffers
 from lowcomm.comm.topology import Topology, node_groups
 from lowcomm.compress.codec import Codec, Message
 
@@ -102,7 +102,7 @@ def start(msg: Message, *, group: dist.ProcessGroup | None = None, tag: str, asy
         return Pending(msg.buf, work)
     if msg.collective == "all_gather":
         world = dist.get_world_size(group)
-        recv = msg.buf.new_empty(world * msg.buf.numel())
+        recv = buffers.POOL.take(world * msg.buf.numel(), msg.buf)
         work = accounting.all_gather_into_tensor(recv, msg.buf, group=group, async_op=async_op, tag=t, link=link)
         return Pending(recv.view(world, -1), work)
     if msg.collective == "reduce_scatter":
@@ -110,7 +110,7 @@ def start(msg: Message, *, group: dist.ProcessGroup | None = None, tag: str, asy
         if msg.buf.numel() % world:
             raise ValueError(f"reduce_scatter message {t!r}: {msg.buf.numel()} elements are not divisible "
                              f"by the group size {world} (encode with pad_to)")
-        recv = msg.buf.new_empty(msg.buf.numel() // world)
+        recv = buffers.POOL.take(msg.buf.numel() // world, msg.buf)
         work = accounting.reduce_scatter_tensor(recv, msg.buf, group=group, async_op=async_op, tag=t, link=link)
         return Pending(recv, work)
     return _exchange(msg, group, t, link)
