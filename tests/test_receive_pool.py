@@ -91,8 +91,8 @@ def test_gathers_and_reduce_scatters_receive_into_pooled_buffers() -> None:
 
 @needs_use_count
 def test_the_tensor_handed_out_itself_keeps_its_buffer_taken() -> None:
-    """A consumer holding exactly what it was given (no view) must keep the buffer: a ring's
-    scratch of the same size as its output once took the output's own buffer."""
+    """A consumer holding exactly what it was given (no view) must keep the buffer: a scratch
+    buffer of the received output's size once took that output's own buffer."""
     pool = ReceivePool()
     held = pool.take(32, torch.zeros(1))
     held.fill_(5.0)

@@ -10,7 +10,10 @@ faults on memory the previous step just returned: measured on a 2-vCPU VM, filli
 those faults are taken by gloo's receiving threads and slow the transfer itself (emulated
 ResNet-50, 8 workers, 1 Gbit/s: ``qsgd`` 3.23-3.63 s per step with fresh buffers, 2.75-2.87 s
 reused; docs/benchmarks.md, "Receive buffers reused"). CUDA tensors come from PyTorch's
-caching allocator, which reuses memory already, and keep a fresh ``new_empty``.
+caching allocator, which reuses memory already, and keep a fresh ``new_empty``. The gloo ring's
+scratch (:mod:`lowcomm.comm.ring`, under 32 MiB a ring on the models here) is not pooled: in
+paired runs of ``lee18`` (8 emulated workers, 500 Mbit/s) pooling it gained nothing (3.98 and
+4.39 s per step against 3.88 and 3.95 s).
 
 When a buffer may be reused: when no tensor but the pool's own holds its storage, checked
 through the storage's reference count (``torch._C._storage_Use_Count``). The pool hands out an
@@ -47,7 +50,7 @@ class ReceivePool:
     def __init__(self, limit: int = LIMIT) -> None:
         self.limit = limit
         self._buffers: list[torch.Tensor] = []  # least recently used first
-        self._lock = threading.Lock()  # rings take buffers on their own threads
+        self._lock = threading.Lock()  # callers may take buffers from several threads
         self._alone = _holders(torch.empty(1)) if _use_count is not None else 0
 
     def take(self, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -79,5 +82,5 @@ class ReceivePool:
             self._buffers.clear()
 
 
-#: The process's pool, shared by the transport and the gloo ring.
+#: The process's pool, used by :mod:`lowcomm.comm.transport` for what its collectives receive.
 POOL = ReceivePool()

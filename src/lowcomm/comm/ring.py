@@ -37,8 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lowcomm.comm import buffers
-
 #: First point-to-point tag of the rings (gloo accepts non-negative 32-bit tags).
 TAG_BASE = 1 << 30
 #: Tags cycle through this many values above :data:`TAG_BASE`.
@@ -118,7 +116,7 @@ class _Ring:
         sent on for step ``s+1`` at once, while the rest of step ``s`` is still arriving."""
         p, r, n, bounds = self.world, self.rank, self.chunk, self.bounds
         nxt, prv = self._peer(1), self._peer(-1)
-        received = buffers.POOL.take((p - 1) * n, out).view(p - 1, n)  # reused across steps
+        received = torch.empty(p - 1, n, dtype=out.dtype, device=out.device)
         ids = len(bounds)
         recvs = [[dist.irecv(received[s, a:b], prv, group=self.group, tag=self.tag + s * ids + j)
                   for j, (a, b) in enumerate(bounds)] for s in range(p - 1)]
@@ -184,7 +182,6 @@ class _Driver:
                 work._finish(e)
             else:
                 work._finish()
-            del ring, work  # the ring's tensors go now, not when this thread takes the next one
 
 
 _DRIVERS: "weakref.WeakKeyDictionary[dist.ProcessGroup, _Driver]" = weakref.WeakKeyDictionary()
