@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from lowcomm.comm import buffers, transport
-from lowcomm.comm.buffers import ReceivePool
+from lowcomm.comm.buffers import BufferPool
 from lowcomm.compress.codec import Message
 from lowcomm.testing import distributed
 
@@ -16,7 +16,7 @@ needs_use_count = pytest.mark.skipif(buffers._use_count is None, reason="this to
 
 @needs_use_count
 def test_a_buffer_nothing_holds_is_handed_out_again() -> None:
-    pool = ReceivePool()
+    pool = BufferPool()
     like = torch.zeros(3)
     first = pool.take(100, like)
     ptr = first.data_ptr()
@@ -28,7 +28,7 @@ def test_a_buffer_nothing_holds_is_handed_out_again() -> None:
 
 @needs_use_count
 def test_a_buffer_still_held_through_a_view_or_a_slice_is_not_reused() -> None:
-    pool = ReceivePool()
+    pool = BufferPool()
     like = torch.zeros(1)
     first = pool.take(64, like)
     first.fill_(7.0)
@@ -43,7 +43,7 @@ def test_a_buffer_still_held_through_a_view_or_a_slice_is_not_reused() -> None:
 
 
 def test_other_sizes_and_dtypes_get_their_own_buffers() -> None:
-    pool = ReceivePool()
+    pool = BufferPool()
     a = pool.take(10, torch.zeros(1))
     b = pool.take(11, torch.zeros(1))
     c = pool.take(10, torch.zeros(1, dtype=torch.int8))
@@ -53,14 +53,14 @@ def test_other_sizes_and_dtypes_get_their_own_buffers() -> None:
 
 
 def test_the_pool_stays_within_its_limit_when_sizes_keep_changing() -> None:
-    pool = ReceivePool(limit=4)
+    pool = BufferPool(limit=4)
     for n in range(1, 20):
         pool.take(n, torch.zeros(1))
     assert len(pool) == 4
 
 
 def test_a_tensor_off_the_cpu_is_never_pooled() -> None:
-    pool = ReceivePool()
+    pool = BufferPool()
     t = pool.take(5, torch.zeros(1, device="meta"))
     assert t.device.type == "meta" and len(pool) == 0
 
@@ -93,7 +93,7 @@ def test_gathers_and_reduce_scatters_receive_into_pooled_buffers() -> None:
 def test_the_tensor_handed_out_itself_keeps_its_buffer_taken() -> None:
     """A consumer holding exactly what it was given (no view) must keep the buffer: a scratch
     buffer of the received output's size once took that output's own buffer."""
-    pool = ReceivePool()
+    pool = BufferPool()
     held = pool.take(32, torch.zeros(1))
     held.fill_(5.0)
     other = pool.take(32, torch.zeros(1))

@@ -1,5 +1,6 @@
-"""Receive buffers reused across steps on the CPU, so a collective does not page-fault its
-output in every step.
+"""Buffers reused across steps on the CPU, so a collective does not page-fault its output (or
+a codec its message) in every step: the transport's receives (:data:`POOL`) and the fp16/bf16
+codecs' messages (:class:`~lowcomm.compress.cast.CastCodec`, a pool of its own).
 
 Why: an all-gather of compressed payloads receives P payloads into a fresh tensor every step
 (QSGD on ResNet-50 at 8 workers: 190 MB per worker per step). glibc serves every allocation
@@ -44,7 +45,7 @@ def _holders(t: torch.Tensor) -> int:
     return _use_count(t.untyped_storage()._cdata)
 
 
-class ReceivePool:
+class BufferPool:
     """Flat CPU buffers handed out again once nothing else holds them (module docstring)."""
 
     def __init__(self, limit: int = LIMIT) -> None:
@@ -83,4 +84,4 @@ class ReceivePool:
 
 
 #: The process's pool, used by :mod:`lowcomm.comm.transport` for what its collectives receive.
-POOL = ReceivePool()
+POOL = BufferPool()

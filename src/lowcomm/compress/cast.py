@@ -9,29 +9,19 @@ mean, so lee18 may reduce-scatter it and DeAR may split it.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from lowcomm.comm.buffers import BufferPool
 from lowcomm.compress.base import Compressor, cpu_fast, scratch
 from lowcomm.compress.codec import Aggregation, Codec, CodecCost, Layout, Message, Round, Work, register_codec
 from lowcomm.compress.feedback import finite_flag, poison_
 
 #: elements per in-cache chunk of the CPU encode
 CHUNK = 1 << 18
-_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
-
-
-def _unshared(t: torch.Tensor) -> bool:
-    """Whether ``t`` alone references its memory: the storage's use count is ``t``'s own
-    reference plus the one of the temporary storage object asked (any view, message or
-    collective holding it adds one). False when torch does not expose the count."""
-    if _USE_COUNT is None:
-        return False
-    return int(_USE_COUNT(t.untyped_storage()._cdata)) == 2
 
 
 class CastCompressor(Compressor):
@@ -72,8 +62,7 @@ class CastCodec(Codec):
     def __init__(self, options: Any = None, *, world: int = 1, rank: int = 0) -> None:
         super().__init__(options, world=world, rank=rank)
         #: CPU message buffers; one is reused once nothing else references its memory
-        self._pool: list[torch.Tensor] = []
-        self._pool_lock = threading.Lock()
+        self._buffers = BufferPool(limit=8)  # one per bucket in flight, for a few buckets at most
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
                pad_to: int = 1) -> Message:
@@ -123,14 +112,7 @@ class CastCodec(Codec):
         earlier step holds it: the pool hands out views, each of which counts), else a new
         one added to the pool. Safe by construction whatever the transport does with a
         message and for how long; without torch's storage use count, never reused."""
-        with self._pool_lock:
-            for t in self._pool:
-                if t.numel() == numel and _unshared(t):
-                    return t.view(-1)
-            t = torch.empty(numel, dtype=self.dtype)
-            self._pool.append(t)
-            del self._pool[:-8]  # one per bucket in flight, for a few buckets at most
-            return t.view(-1)
+        return self._buffers.take(numel, torch.empty(0, dtype=self.dtype))
 
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """The sum of ``flat / P`` is the mean: cast back (any matching slice works too)."""
