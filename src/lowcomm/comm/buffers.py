@@ -21,8 +21,8 @@ through the storage's reference count (``torch._C._storage_Use_Count``). The poo
 alias of its buffer, never the buffer object itself (the count counts tensors, not Python
 references to one tensor), so a consumer that still holds the received tensor, a view or a
 slice of it, or an unfinished collective that writes it, keeps it out of reach, and the pool
-hands out a new buffer instead. Without that function (a
-torch that lacks it) nothing is reused, which is the old behaviour.
+hands out a new buffer instead. Without that function (a torch that lacks it) nothing is
+reused, which is the old behaviour.
 """
 
 from __future__ import annotations
