@@ -27,6 +27,8 @@ from lowcomm.errors import UsageError
 from lowcomm.methods import split_list
 
 DEFAULT_METHODS = ("ssgd", "fp16", "signsgd", "topk", "powersgd", "acpsgd")
+#: most rounds ``--repeat`` accepts (each round runs every method once)
+MAX_REPEAT = 20
 
 
 def split_methods(text: str) -> list[str]:
@@ -67,6 +69,9 @@ def register(sub: Any) -> None:
     p.add_argument("--iters", type=int, default=10, help="timed iterations per method (default 10)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed warm-up iterations (default 2; more for a method that first measures itself: mgwfbp, dear:tune=true)")
+    p.add_argument("--repeat", type=int, default=1, metavar="R",
+                   help="run every method R times, in R rounds (each round runs every method once); a row is "
+                        "its method's median run, every run's time kept, with their spread (default 1)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker (default 32)")
     p.add_argument("--epochs", type=int, default=None,
                    help="time-to-accuracy mode: train E epochs, evaluating each; reports the training time "
@@ -167,6 +172,7 @@ def build_config(args: argparse.Namespace) -> Any:
     nproc, per_node = node_layout(args.nproc, args.nodes, args.nproc_per_node)
     check_count("--iters", args.iters)
     check_count("--warmup", args.warmup, minimum=0)
+    check_count("--repeat", args.repeat, maximum=MAX_REPEAT)
     check_count("--batch-size", args.batch_size)
     check_positive("--timeout", args.timeout)  # also refuses nan/inf: "no limit" is not offered
     if args.epochs is not None:
@@ -174,6 +180,9 @@ def build_config(args: argparse.Namespace) -> Any:
     if args.threads is not None:
         check_count("--threads", args.threads, maximum=MAX_THREADS)
     tta = args.epochs is not None
+    if tta and args.repeat > 1:
+        raise UsageError("--repeat applies to timing runs; a time-to-accuracy run (--epochs) is repeated by "
+                         "running it again with another --train-arg=--seed")
     model = args.model or ("cnn1d" if tta else "resnet18")
     data = args.data or ("mnist1d" if tta else "synthetic")
     # `is not None`: an empty --sweep-net or --methods is a mistake, not "use the default"
@@ -198,7 +207,7 @@ def build_config(args: argparse.Namespace) -> Any:
         timeout_s=args.timeout, work_dir=args.work_dir, compute_only=not args.no_compute_only,
         extra_train_args=([a for kv in args.model_arg for a in ("--model-arg", _check_kv(kv))] + list(args.train_arg)
                           + (["--compute", compute] if compute != "real" else [])),
-        quiet=args.quiet, predict=not args.no_predict,
+        quiet=args.quiet, predict=not args.no_predict, repeat=args.repeat,
     )
 
 

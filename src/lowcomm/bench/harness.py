@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from lowcomm.bench import bounds, collprobe, netns, prediction, schedule_bound, trained
+from lowcomm.bench import bounds, collprobe, netns, prediction, repeats, schedule_bound, trained
 from lowcomm.bench.compress_probe import measure_shared
 from lowcomm.bench.compute_profile import bench_profile, compute_label, gloo_contention
 from lowcomm.bench.environment import machine, network
@@ -123,6 +123,40 @@ def _collectives(cfg: BenchConfig, cluster: netns.Cluster | None, bits_per_s: fl
                          work_dir=work, nproc_per_node=cfg.nproc_per_node)
 
 
+def _run_round(cfg: BenchConfig, order: list[str], *, work: Path, tag: str, row_fields: dict[str, Any],
+               cluster: netns.Cluster | None, launcher: Launcher | None, say: Callable[[str], None],
+               round_no: int) -> list[dict[str, Any]]:
+    """Run ``order`` once on one network: one row per method, each given ``row_fields`` (a second
+    ``nocomm`` run replaces the first when faster, both times kept in ``nocomm_runs_s``).
+    ``round_no`` (1-based) names the round in the logs when the bench runs several."""
+    rows: list[dict[str, Any]] = []
+    several = cfg.repeat > 1
+    suffix = f"-r{round_no}" if several else ""
+    for k, m in enumerate(order):
+        say(f"  running {m} on {cfg.nproc} workers" + (f" (round {round_no} of {cfg.repeat})" if several else "") + " ...")
+        again = m == "nocomm" and k > 0 and "nocomm" in order[:k]
+        run_tag = f"{tag}-{re.sub(r'[^A-Za-z0-9_.=-]', '_', m)}" + ("-again" if again else "") + suffix
+        try:
+            row = run_method(cfg, m, work=work, tag=run_tag, cluster=cluster, launcher=launcher)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - one broken method must not stop the others
+            row = {"method": m, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
+        row.update(row_fields)
+        say(f"    {m}: " + (f"{row['iter_time_s_median']:.3g} s/iter" if row["status"] == "ok"
+                             else f"FAILED ({row['reason']})"))
+        if again:
+            first = next(r for r in rows if r["method"] == "nocomm")
+            times = [r["iter_time_s_median"] for r in (first, row) if r["status"] == "ok"]
+            if row["status"] == "ok" and (first["status"] != "ok" or row["iter_time_s_median"] < first["iter_time_s_median"]):
+                rows[rows.index(first)] = row
+                first = row
+            first["nocomm_runs_s"] = times
+            continue
+        rows.append(row)
+    return rows
+
+
 def run_bench(
     cfg: BenchConfig,
     *,
@@ -160,6 +194,7 @@ def run_bench(
         "batch_size": cfg.batch_size,
         "iters": cfg.iters,
         "warmup_iters": cfg.warmup,
+        "repeat": cfg.repeat,
         "epochs": cfg.epochs,
         "threads_per_worker": cfg.threads,
         "machine": machine(),
@@ -248,45 +283,25 @@ def run_bench(
                         raise
                     except Exception as e:  # noqa: BLE001 - predictions are an extra
                         say(f"  no contention term: {type(e).__name__}: {e}")
-                rows: list[dict[str, Any]] = []
                 order = list(methods)
                 # compute-only is measured on every network, right before its methods: on a shared
                 # machine the load drifts, and a reference from minutes ago is not comparable.
-                compute_only = None
                 if cfg.compute_only and not cfg.tta and "nocomm" not in order:
                     order.insert(0, "nocomm")
-                    if len(order) > 2:
+                    if len(order) > 2 and cfg.repeat == 1:
                         # measured again after the methods: the faster of the two is the reference
-                        # (a load spike during one nocomm run would skew every bound and prediction)
+                        # (a load spike during one nocomm run would skew every bound and prediction);
+                        # with rounds, each round's nocomm run is one more such measurement
                         order.append("nocomm")
                 if cfg.compute_only and not cfg.tta:  # model-axis methods: their own model, no communication
                     order[1:1] = [r for r in dict.fromkeys(references.values()) if r != "nocomm" and r not in order]
-                for k, m in enumerate(order):
-                    say(f"  running {m} on {cfg.nproc} workers ...")
-                    again = m == "nocomm" and k > 0 and "nocomm" in order[:k]
-                    tag = f"net{n_idx}-{re.sub(r'[^A-Za-z0-9_.=-]', '_', m)}" + ("-again" if again else "")
-                    try:
-                        row = run_method(cfg, m, work=work, tag=tag, cluster=cluster, launcher=launcher)
-                    except (KeyboardInterrupt, SystemExit):
-                        raise
-                    except Exception as e:  # noqa: BLE001 - one broken method must not stop the others
-                        row = {"method": m, "status": "failed", "reason": f"{type(e).__name__}: {e}"}
-                    row["net"] = spec.requested
-                    row["compute"] = result["compute"]
-                    say(f"    {m}: " + (f"{row['iter_time_s_median']:.3g} s/iter" if row["status"] == "ok"
-                                         else f"FAILED ({row['reason']})"))
-                    if again:
-                        first = next(r for r in rows if r["method"] == "nocomm")
-                        times = [r["iter_time_s_median"] for r in (first, row) if r["status"] == "ok"]
-                        if row["status"] == "ok" and (first["status"] != "ok" or row["iter_time_s_median"] < first["iter_time_s_median"]):
-                            rows[rows.index(first)] = row
-                            first = row
-                        first["nocomm_runs_s"] = times
-                        compute_only = min(times) if times else None
-                        continue
-                    if m == "nocomm" and row["status"] == "ok" and compute_only is None:
-                        compute_only = row["iter_time_s_median"]
-                    rows.append(row)
+                fields = {"net": spec.requested, "compute": result["compute"]}
+                rounds = [_run_round(cfg, order, work=work, tag=f"net{n_idx}", row_fields=fields, cluster=cluster,
+                                     launcher=launcher, say=say, round_no=i + 1) for i in range(cfg.repeat)]
+                rows = rounds[0] if cfg.repeat == 1 else repeats.combine_rounds(
+                    rounds, references={"nocomm", *references.values()})
+                compute_only = next((r["iter_time_s_median"] for r in rows
+                                     if r["method"] == "nocomm" and r["status"] == "ok"), None)
                 ssgd = next((r for r in rows if r["method"] == "ssgd" and r["status"] == "ok"), None)
                 measured = {r["method"]: r["iter_time_s_median"] for r in rows if r["status"] == "ok"}
                 for r in rows:

@@ -43,6 +43,8 @@ TX_COLUMN = ("MB sent (IP)", "measured_tx_bytes_per_iter")
 INTER_COLUMN = ("inter-node MB", "inter_node_bytes_per_worker_per_iter")
 #: the simulator's prediction and its error, after the measured time
 PREDICTION_COLUMNS = (("pred ms", "predicted_iter_time_s"), ("pred err", "prediction_error"))
+#: ``--repeat``: how far apart the method's runs were, (slowest - fastest) / the row's time
+SPREAD_COLUMN = ("run spread", "repeat_spread")
 
 
 def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
@@ -57,6 +59,8 @@ def columns(result: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         cols.insert(cols.index(("MB/worker/iter", "bytes_per_worker_per_iter")) + 1, TX_COLUMN)
     if (result.get("nproc_per_node") or 1) > 1 and any(r.get(INTER_COLUMN[1]) is not None for r in runs):
         cols.insert(cols.index(("MB/worker/iter", "bytes_per_worker_per_iter")) + 1, INTER_COLUMN)
+    if any(len(r.get("repeat_iter_times_s") or ()) > 1 for r in runs):
+        cols.insert(cols.index(("iter ms", "iter_time_s_median")) + 1, SPREAD_COLUMN)
     if any(r.get("predicted_iter_time_s") is not None for r in runs):
         at = cols.index(("iter ms", "iter_time_s_median")) + 1
         cols[at:at] = PREDICTION_COLUMNS
@@ -95,6 +99,8 @@ def _fmt(key: str, run: dict[str, Any]) -> str:
         return f"{v / 1e6:.3g}"
     if key == "prediction_error":
         return f"{100 * v:+.0f}%"
+    if key == "repeat_spread":
+        return f"{100 * v:.0f}% of {len(run.get('repeat_iter_times_s') or ())}"
     if key == "samples_per_s":
         return f"{v:.1f}"
     if key in ("speedup_vs_ssgd", "bound_ratio", "schedule_bound_ratio", "tta_speedup_vs_ssgd"):
@@ -163,6 +169,15 @@ def noise_warning(runs: Iterable[dict[str, Any]]) -> str | None:
             "wire_time_s in the JSON with the row's breakdown) or the timing is wrong; please report it")
 
 
+def repeat_note(result: dict[str, Any]) -> str | None:
+    """What a row is when the bench ran rounds (``--repeat``), else None."""
+    rounds = result.get("repeat") or 1
+    if rounds <= 1:
+        return None
+    return (f"{rounds} rounds, every method once per round: a row is its method's median run (the fastest for "
+            "compute references); run spread = (slowest - fastest) / the row's time, of that many runs")
+
+
 def prediction_note(net: dict[str, Any]) -> str | None:
     """One line saying how the simulator was calibrated on this network (or why it was not)."""
     pred = net.get("prediction")
@@ -211,6 +226,9 @@ def markdown(result: dict[str, Any]) -> str:
         note = prediction_note(net)
         if note:
             out.append(f"\n_{note}_")
+        rounds = repeat_note(result)
+        if rounds:
+            out.append(f"\n_{rounds}_")
         out.append("")
     return "\n".join(out)
 
@@ -246,6 +264,9 @@ def print_table(result: dict[str, Any]) -> None:
         note = prediction_note(net)
         if note:
             console.print(note, markup=False, highlight=False)
+        rounds = repeat_note(result)
+        if rounds:
+            console.print(rounds, markup=False, highlight=False)
     if result.get("lower_bound_note") and not result.get("epochs"):  # no bounds without a nocomm run
         console.print(result["lower_bound_note"], markup=False, highlight=False)
 

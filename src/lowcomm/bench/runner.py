@@ -61,6 +61,9 @@ class BenchConfig:
     extra_train_args: list[str] = field(default_factory=list)
     quiet: bool = False
     predict: bool = True  # profile + collective probe + simulator prediction per row
+    #: rounds: every method run this many times, round after round; a row is its method's median
+    #: run (the fastest for compute references), every run's time kept (lowcomm.bench.repeats)
+    repeat: int = 1
 
     @property
     def nodes(self) -> int:
