@@ -63,6 +63,7 @@ class CastCodec(Codec):
         super().__init__(options, world=world, rank=rank)
         #: CPU message buffers; one is reused once nothing else references its memory
         self._buffers = BufferPool(limit=8)  # one per bucket in flight, for a few buckets at most
+        self._wire = torch.empty(0, dtype=self.dtype)  # names the pool's dtype and device (CPU)
 
     def encode(self, flat: torch.Tensor, layout: Layout, finite: torch.Tensor, *,
                pad_to: int = 1) -> Message:
@@ -112,7 +113,7 @@ class CastCodec(Codec):
         earlier step holds it: the pool hands out views, each of which counts), else a new
         one added to the pool. Safe by construction whatever the transport does with a
         message and for how long; without torch's storage use count, never reused."""
-        return self._buffers.take(numel, torch.empty(0, dtype=self.dtype))
+        return self._buffers.take(numel, self._wire)
 
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:
         """The sum of ``flat / P`` is the mean: cast back (any matching slice works too)."""
