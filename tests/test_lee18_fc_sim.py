@@ -60,7 +60,7 @@ def test_advise_says_model_parallel_fc_wins_for_wide_layers_at_small_batches_onl
         methods=["ssgd", "lee18"],
         semi_sync=False,
     ).as_dict()
-    assert adv["model_parallel_fc"]["wins"] and adv["recommended"] == "lee18"
+    assert adv["model_parallel_fc"]["wins"] and adv["recommended"] == "lee18:tune=true"  # with its fusion tuner, as dear
 
 
 def test_the_engine_keeps_one_data_parallel_layer_and_auto_follows_the_batch() -> None:

@@ -46,7 +46,8 @@ methods.names()
         ("lee18:compress=powersgd", ["powersgd", "slice", "wfbp:compress=powersgd"]),
         ("wfbp:compress=fp16,density=0.1", ["density", "compress, broadcast_buffers", "fp16"]),
         ("wfbp:density=0.1", ["density", "compress="]),
-        ("lee18:tune=true", ["tune", "valid"]),
+        ("lee18:tune_trials=0", ["lee18", "tune_trials"]),
+        ("lee18:tune_min_mb=4,tune_max_mb=2", ["lee18", "tune_max_mb", ">= tune_min_mb"]),
     ],
 )
 def test_invalid_schedule_options_are_refused_with_reason(spec: str, words: list[str]) -> None:
@@ -224,11 +225,14 @@ def test_checkpoint_after_flush_holds_full_optimizer_state_and_resumes_exactly(n
         assert r["param_err"] <= schedule_tolerance(2, 6)
 
 
-# --- DeAR tuning --------------------------------------------------------------------------------
-def test_dear_tunes_threshold_with_bayesian_optimization_and_stays_exact() -> None:
-    spec = "dear:tune=true,tune_trials=3,tune_iters=2"
+# --- tuned fusion (dear, lee18) ---------------------------------------------------------------------------
+# lee18 regroups its sharded optimizer between trials: its state (momentum, AdamW's moments)
+# must carry over exactly
+@pytest.mark.parametrize("schedule, opt_kind", [("dear", "sgd"), ("lee18", "sgd"), ("lee18", "adamw")])
+def test_schedule_tunes_threshold_with_bayesian_optimization_and_stays_exact(schedule: str, opt_kind: str) -> None:
+    spec = f"{schedule}:tune=true,tune_trials=3,tune_iters=2"
     steps = 3 * 4 + 2
-    results = run_distributed(compare_with_ddp, 2, spec, "sgd", steps, False, None, timeout=90)
+    results = run_distributed(compare_with_ddp, 2, spec, opt_kind, steps, False, None, timeout=90)
     check(results, steps)
     tunings = [r["describe"]["tuning"] for r in results]
     assert all(t["done"] for t in tunings)

@@ -204,16 +204,22 @@ def test_dear_overlaps_all_gather_with_next_forward() -> None:
     assert tl.find("rs.g1", it).overlaps(tl.find("bwd.0", it))
 
 
-def test_dear_tuning_finds_a_threshold_no_slower_than_fixed_ones() -> None:
+@pytest.mark.parametrize("schedule", ["dear", "lee18"])
+@pytest.mark.parametrize("alpha", [1e-4, 5e-3])
+def test_tuning_finds_a_threshold_no_slower_than_fixed_ones(schedule: str, alpha: float) -> None:
     prof = Profile(model="eight", batch_size=16, optimizer_s=OPT, costs=COSTS,
                    layers=[LayerProfile(f"l{i}", F, BW, [[1024, 1024]]) for i in range(8)])
-    net = NetworkModel(inter=Link(1e-4, 2e-9))
-    tuned = predict_iteration_time(prof, "dear:tune=true", workers=8, network=net).iter_time_s
+    net = NetworkModel(inter=Link(alpha, 2e-9))
+    spec = f"{schedule}:fc=data_parallel," if schedule == "lee18" else f"{schedule}:"  # every layer averaged
+    tuned = predict_iteration_time(prof, spec + "tune=true", workers=8, network=net).iter_time_s
     for mb in (0, 4, 25, 256):
-        fixed = predict_iteration_time(prof, f"dear:threshold_mb={mb}", workers=8, network=net)
+        fixed = predict_iteration_time(prof, spec + f"threshold_mb={mb}", workers=8, network=net)
         assert tuned <= fixed.iter_time_s * (1 + 1e-9)
-    sim, sched = simulate(prof, "dear:threshold_mb=0", workers=8, network=net)
+    sim, sched = simulate(prof, spec + "threshold_mb=0", workers=8, network=net)
     assert sched.groups == [[i] for i in range(8)]
+    if alpha > 1e-3:  # every exchange's start costs more than the overlap gains: fused
+        sim, sched = simulate(prof, spec + "tune=true", workers=8, network=net)
+        assert len(sched.groups) < 8
 
 
 def test_dear_beats_ssgd_when_communication_bound() -> None:

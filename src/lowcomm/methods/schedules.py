@@ -13,7 +13,6 @@ norm via one all-reduce).
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -21,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowcomm.comm import accounting
 from lowcomm.compress.codec import Codec
 from lowcomm.errors import UsageError, check_positive
 from lowcomm.methods import register
@@ -33,7 +31,8 @@ from lowcomm.sched.module import ScheduledModule
 from lowcomm.sched.groups import fuse_by_threshold
 from lowcomm.parallel.lee18_fc import Lee18FCFields, ModelParallelFC
 from lowcomm.sched.options import DeAROptions, EngineFields, chosen_codec, describe_options, with_codec_options
-from lowcomm.sched.tune import MB, ThresholdTuner, agree, agree_float, control_device, window_time
+from lowcomm.sched.tune import MB, agree
+from lowcomm.methods.fusion_tuning import FusionTuning
 
 
 class EngineMethod(Method):
@@ -280,94 +279,26 @@ class MGWFBP(EngineMethod):
 
 # --------------------------------------------------------------------------------------------
 @register
-class DeAR(EngineMethod):
-    """Reduce-scatter in backward, all-gathers a window ahead of the next forward."""
+class DeAR(FusionTuning, EngineMethod):
+    """Reduce-scatter in backward, all-gathers a window ahead of the next forward;
+    ``tune=true``: the fusion threshold chosen online (:mod:`lowcomm.methods.fusion_tuning`)."""
 
     name = "dear"
     mode = Mode.DEAR
     Options = with_codec_options(name, mode, DeAROptions)
 
-    def __init__(self, options: Any = None) -> None:
-        super().__init__(options)
-        self.threshold_mb = float(self.options.threshold_mb)
-        self.tuner: ThresholdTuner | None = None
-        self._stamps: list[float] = []
-        self.tuned = False
-
     def setup(self, engine: Engine) -> None:
         """Fuse by the threshold; with ``tune=true`` start at the tuner's first suggestion."""
-        o = self.options
-        if o.tune and not self.tuned:
-            total_mb = sum(u.nbytes for u in engine.units) / MB
-            # scale the [1, 256] MB range down for models smaller than it
-            hi = min(o.tune_max_mb, max(total_mb, 1e-6))
-            lo = min(o.tune_min_mb, hi / 64)
-            self.tuner = ThresholdTuner(low_mb=lo, high_mb=hi, trials=o.tune_trials, seed=o.seed)
-            self.threshold_mb = agree_float(self.tuner.suggest(), engine, tag="dear.tune")
-        engine.set_grouping(fuse_by_threshold(engine.units, self.threshold_mb * MB))
-
-    def warmup_steps(self) -> int:
-        """With ``tune=true``: every trial's window (its first interval after regrouping dropped)
-        and one step more at the chosen threshold; else none."""
-        o = self.options
-        return o.tune_trials * (o.tune_iters + 2) + 1 if o.tune and not self.tuned else 0
-
-    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The engine's step; while tuning, time windows of iterations and move to the next threshold."""
-        engine = self._need()
-        engine.optimizer_step(optimizer)
-        if self.tuner is None or self.tuned:
-            return
-        self._stamps.append(time.perf_counter())
-        if len(self._stamps) < self.options.tune_iters + 2:  # first interval after regroup dropped
-            return
-        elapsed = window_time(self._stamps[1:])
-        t = torch.tensor([elapsed], dtype=torch.float64, device=control_device(engine))
-        if engine.distributed and engine.world > 1:
-            accounting.all_reduce(t, group=engine.pg, tag="dear.tune")
-            t /= engine.world
-        self.tuner.report(self.threshold_mb, float(t.item()))
-        self._stamps = []
-        nxt = self.tuner.best().threshold_mb if self.tuner.done else self.tuner.suggest()
-        nxt = agree_float(nxt, engine, tag="dear.tune")
-        if self.tuner.done:
-            self.tuned = True
-        engine.flush()
-        engine.set_grouping(fuse_by_threshold(engine.units, nxt * MB))
-        self.threshold_mb = nxt
-
-    def state_dict(self) -> dict[str, Any]:
-        """Adds the (tuned) threshold: a resumed run fuses the same way."""
-        d = super().state_dict()
-        d.update(threshold_mb=self.threshold_mb, tuned=self.tuned)
-        return d
-
-    def _apply_state(self, state: dict[str, Any]) -> None:
-        if "threshold_mb" in state:
-            self.threshold_mb = float(state["threshold_mb"])
-        if state.get("tuned"):
-            self.tuned = True
-            self.tuner = None
-        super()._apply_state(state)
-
-    def describe(self) -> dict[str, Any]:
-        """Adds the threshold and, while tuning, the trials measured so far."""
-        d = super().describe()
-        d["threshold_mb"] = self.threshold_mb
-        if self.tuner is not None:
-            d["tuning"] = {
-                "done": self.tuned,
-                "trials": [vars(t) for t in self.tuner.history],
-                "chosen_threshold_mb": self.threshold_mb if self.tuned else None,
-            }
-        return d
+        self.start_tuning(engine)
+        engine.set_grouping(self.grouping(engine, self.threshold_mb))
 
 
 # --------------------------------------------------------------------------------------------
 @register
-class Lee18(ModelParallelFC, EngineMethod):
+class Lee18(ModelParallelFC, FusionTuning, EngineMethod):
     """Per-layer reduce-scatter, sharded update, all-gather of parameters before forward;
-    ``fc=``: Linear layers model-parallel (:mod:`lowcomm.parallel.lee18_fc`)."""
+    ``fc=``: Linear layers model-parallel (:mod:`lowcomm.parallel.lee18_fc`); ``tune=true``:
+    the fusion threshold chosen online, as ``dear:tune=true``."""
 
     name = "lee18"
     mode = Mode.SHARD
@@ -376,11 +307,16 @@ class Lee18(ModelParallelFC, EngineMethod):
     def setup(self, engine: Engine) -> None:
         """``update=layer``: step each group's shard as its reduce-scatter completes;
         ``threshold_mb``: fuse layers into groups of that size; ``merge_below``: layers
-        smaller than that ride with their neighbour."""
+        smaller than that ride with their neighbour; ``tune=true``: start at the tuner's first
+        suggestion."""
         engine.layer.requested = self.options.update == "layer"
-        opts = self.options
-        if opts.threshold_mb > 0 or opts.merge_below > 0:  # else the paper's strict one per layer
-            engine.set_grouping(fuse_by_threshold(engine.units, opts.threshold_mb * MB, opts.merge_below))
+        tuning = self.start_tuning(engine)
+        if tuning or self.threshold_mb > 0 or self.options.merge_below > 0:  # else the paper's strict one per layer
+            engine.set_grouping(self.grouping(engine, self.threshold_mb))
+
+    def grouping(self, engine: Engine, threshold_mb: float) -> list[int]:
+        """Fused up to ``threshold_mb``, a group closing only once it holds ``merge_below`` elements."""
+        return fuse_by_threshold(engine.units, threshold_mb * MB, self.options.merge_below)
 
     def describe(self) -> dict[str, Any]:
         """Adds why ``update=layer`` ran the end-of-step update instead, if it did."""

@@ -12,14 +12,13 @@ Three modes (:class:`~lowcomm.sched.pairing.Mode`): ``allreduce`` (WFBP, MG-WFBP
 each group and ``finish_sync`` writes the averaged gradient into ``p.grad`` for the user's
 optimizer; ``dear`` (DeAR) and ``shard`` (Lee et al. 2018) reduce-scatter each group in
 backward and defer the all-gather and the update to the next forward
-(:mod:`lowcomm.sched.deferred`, update rules in :mod:`lowcomm.optim.sharded`; lee18's
-``update=layer`` steps each group's shard in backward: :mod:`lowcomm.sched.layer_update`). Any codec
-(``codec``) can replace the gradient by its message (:mod:`lowcomm.sched.payload`; the pairs
-that work: :mod:`lowcomm.sched.pairing`).
+(:mod:`lowcomm.sched.deferred`, :mod:`lowcomm.optim.sharded`; :mod:`lowcomm.sched.layer_update`
+for lee18's ``update=layer``). Any codec can replace the gradient by its message
+(:mod:`lowcomm.sched.payload`; the pairs that work: :mod:`lowcomm.sched.pairing`).
 
 ``flush()`` completes every pending all-gather (and update) so the weights are whole; call it
-before evaluation or a checkpoint (lee18 also consolidates its sharded optimizer state into
-the user's optimizer: ``optimizer.state_dict()`` is an ordinary checkpoint).
+before evaluation, a checkpoint or a regrouping (lee18 also consolidates its sharded optimizer
+state into the user's optimizer: ``optimizer.state_dict()`` is an ordinary checkpoint).
 
 NaN/Inf and fp16 AMP (:meth:`Engine.attach_scaler`): ``allreduce`` mode leaves the averaged
 (scaled) gradient in ``p.grad`` for the user's GradScaler, as DDP does; the sharded modes give
@@ -30,8 +29,8 @@ overflows in one shard is caught by one all-reduced flag per step
 Without a scaler, :meth:`Engine.nonfinite_this_step` is a device flag for the trainer's
 single check.
 
-``reducer`` (``hier``): sums groups and codec all-reduces instead of the plain all-reduce
-(:class:`lowcomm.comm.hierarchical.HierarchicalReducer`, ``start(buf, tag=)`` -> ``wait()``).
+``reducer`` (``hier``, :class:`lowcomm.comm.hierarchical.HierarchicalReducer`): sums groups and
+codec all-reduces instead of the plain all-reduce (``start(buf, tag=)`` -> ``wait()``).
 """
 
 from __future__ import annotations
@@ -143,8 +142,9 @@ class Engine:
             raise RuntimeError("cannot regroup while communication is pending; flush() first")
         if any(g.msg is not None or g.full for g in self.groups):
             raise RuntimeError("cannot regroup while a compressed payload is pending; flush() first")
-        if self.mode is Mode.SHARD and self.deferred.sharded is not None:
-            raise RuntimeError("lee18 shards cannot be regrouped after the first step")
+        if self.deferred.sharded is not None and self.deferred.sharded.dirty:  # lee18's shards
+            raise RuntimeError("cannot regroup lee18 shards before flush() consolidates the optimizer state")
+        self.deferred.sharded = None  # rebuilt over the new groups at the next step, from that state
         self.groups = build_groups(self.units, list(sizes), self.world)
         self.sizes = list(sizes)
         self._loc = {id(p): (g.index, i) for g in self.groups for i, p in enumerate(g.params)}

@@ -57,10 +57,39 @@ LEE18_UPDATES = ("layer", "step")
 
 
 @dataclass
-class Lee18Fields(EngineFields):
+class TuneFields(EngineFields):
+    """The fusion threshold's online tuning, for the schedules that fuse by a threshold (DeAR
+    section V: Bayesian optimization of ``threshold_mb`` over ``[tune_min_mb, tune_max_mb]``,
+    ``tune_trials`` trials of ``tune_iters`` timed steps each; :mod:`lowcomm.sched.tune`)."""
+
+    tune: bool = False
+    tune_trials: int = 10
+    tune_iters: int = 5  # measured iterations per trial (one more is discarded)
+    tune_min_mb: float = 1.0
+    tune_max_mb: float = 256.0
+    seed: int = 0  # tuner (and the codec's seed, when it has one)
+
+    def check_tuning(self, schedule: str) -> None:
+        """Refuse a bad search range or trial count, naming ``schedule``; with ``tune=true``,
+        refuse a missing bayes_opt here, in one line, not at step 1."""
+        if self.tune_trials < 1 or self.tune_iters < 1:
+            raise UsageError(f"{schedule}: tune_trials and tune_iters must be >= 1")
+        check_positive(f"{schedule}: tune_min_mb", self.tune_min_mb)
+        check_positive(f"{schedule}: tune_max_mb", self.tune_max_mb)
+        if self.tune_max_mb < self.tune_min_mb:
+            raise UsageError(
+                f"{schedule}: tune_max_mb ({self.tune_max_mb}) must be >= tune_min_mb ({self.tune_min_mb})"
+            )
+        if self.tune:
+            check_bayes_opt()
+
+
+@dataclass
+class Lee18Fields(TuneFields):
     """lee18: ``update=layer`` (the paper) steps each fused group's shard as soon as its
     reduce-scatter completes in backward (:mod:`lowcomm.sched.layer_update`, with its
-    automatic fallbacks); ``update=step`` steps every shard in the optimizer step."""
+    automatic fallbacks); ``update=step`` steps every shard in the optimizer step.
+    ``tune=true`` chooses ``threshold_mb`` online as ``dear:tune=true`` does."""
 
     update: str = "layer"
     threshold_mb: float = 0.0  # 0: one group per layer (the paper); > 0: fused groups of that size
@@ -74,32 +103,18 @@ class Lee18Fields(EngineFields):
             raise UsageError(f"lee18: update={self.update!r} is not valid; valid: {', '.join(LEE18_UPDATES)}")
         check_positive("lee18: threshold_mb", self.threshold_mb, allow_zero=True)
         check_positive("lee18: merge_below", self.merge_below, allow_zero=True)
+        self.check_tuning("lee18")
 
 
 @dataclass
-class DeAROptions(EngineFields):
+class DeAROptions(TuneFields):
     """dear: fusion threshold (optionally tuned by Bayesian optimization) and its search range."""
 
     threshold_mb: float = 25.0  # fusion buffer size; 0 = one group per layer
-    tune: bool = False  # Bayesian optimization of threshold_mb (DeAR section V)
-    tune_trials: int = 10
-    tune_iters: int = 5  # measured iterations per trial (one more is discarded)
-    tune_min_mb: float = 1.0
-    tune_max_mb: float = 256.0
-    seed: int = 0  # tuner (and the codec's seed, when it has one)
 
     def __post_init__(self) -> None:
         check_positive("dear: threshold_mb", self.threshold_mb, allow_zero=True)
-        if self.tune_trials < 1 or self.tune_iters < 1:
-            raise UsageError("dear: tune_trials and tune_iters must be >= 1")
-        check_positive("dear: tune_min_mb", self.tune_min_mb)
-        check_positive("dear: tune_max_mb", self.tune_max_mb)
-        if self.tune_max_mb < self.tune_min_mb:
-            raise UsageError(
-                f"dear: tune_max_mb ({self.tune_max_mb}) must be >= tune_min_mb ({self.tune_min_mb})"
-            )
-        if self.tune:
-            check_bayes_opt()  # an optional package: refused here, in one line, not at step 1
+        self.check_tuning("dear")
 
 
 def _codec_fields() -> dict[str, dataclasses.Field[Any]]:

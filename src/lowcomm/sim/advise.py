@@ -116,16 +116,21 @@ class Advice:
         }
 
 
+#: schedules the advisor simulates with ``tune=true`` when given without options
+TUNED = ("dear", "lee18")
+
+
 def advise(profile: Profile, *, workers: int, network: NetworkModel,
            methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float = 25.0,
            semi_sync: bool = True) -> Advice:
     """Predict every applicable method and rank them by iteration time (fastest first).
 
-    ``methods``: default :func:`candidates`. ``dear`` is simulated with its tuner on
-    (``dear:tune=true``) unless options are given. ``semi_sync``: also try the
-    semi-synchronous methods, reported apart (:attr:`Advice.semi_synchronous`).
+    ``methods``: default :func:`candidates`. ``dear`` and ``lee18`` are simulated with their
+    fusion tuner on (``dear:tune=true``) unless options are given: what a user who asks
+    which method is fastest would run. ``semi_sync``: also try the semi-synchronous methods,
+    reported apart (:attr:`Advice.semi_synchronous`).
     """
-    specs = ["dear:tune=true" if m == "dear" else m for m in (methods or candidates())]
+    specs = [f"{m}:tune=true" if m in TUNED else m for m in (methods or candidates())]
     preds: list[Prediction] = []
     skipped: dict[str, str] = {}
     for m in specs:

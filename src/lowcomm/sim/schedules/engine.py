@@ -123,8 +123,17 @@ class _ShardedSchedule(Schedule):
     def group_plan(self, sim: Sim) -> list[list[int]]:
         """Layer groups in forward order."""
 
+    #: ``threshold_mb`` when the options do not give one
+    default_threshold_mb = 0.0
+    #: thresholds (fractions of the model's gradient bytes) an ideal tuner chooses from
+    TUNE_GRID = 24
+
     def setup(self, sim: Sim) -> None:
-        """Groups, and the bucket of each (its tensors, for the codec)."""
+        """The fusion threshold (tuned with ``tune``), groups, and the bucket of each (its
+        tensors, for the codec)."""
+        self.threshold_mb = float(self.opt("threshold_mb", self.default_threshold_mb))
+        if self.opt("tune", False):
+            self.threshold_mb = self.tuned_threshold(sim)
         self.groups = self.group_plan(sim)
         self.group_of = {i: g for g, layers in enumerate(self.groups) for i in layers}
         self.first_of = {layers[0]: g for g, layers in enumerate(self.groups)}
@@ -135,6 +144,26 @@ class _ShardedSchedule(Schedule):
         self.arrivals: list[tuple[int, CodecCost, Task]] = []
         #: per group: (bytes of the summed message, decode seconds) of this step's codec
         self.message: dict[int, tuple[int, float]] = {}
+
+    def tuned_threshold(self, sim: Sim) -> float:
+        """What Bayesian optimization converges to at best (``tune=true``, the engine's
+        :mod:`lowcomm.methods.fusion_tuning`): the fastest threshold on a log grid over the
+        engine's search range, [min(tune_min_mb, hi/64), hi], hi = min(tune_max_mb, model MB),
+        every other option as given."""
+        total = sim.profile.numel * sim.bpe / MIB
+        hi = min(float(self.opt("tune_max_mb", 256.0)), max(total, 1e-6))
+        lo = min(float(self.opt("tune_min_mb", 1.0)), hi / 64)
+        best = (math.inf, hi)
+        for j in range(self.TUNE_GRID + 1):
+            mb = lo * (hi / lo) ** (j / self.TUNE_GRID)
+            trial = Sim(sim.profile, sim.p, sim.net, optimizer_s=sim.optimizer_s)
+            probe = type(self)(_Fixed(self.options, mb), self.codec)
+            probe.setup(trial)
+            for it in range(1, 5):
+                probe.iteration(trial, it)
+            t = (trial.tl.end_of(4) - trial.tl.end_of(2)) / 2
+            best = min(best, (t, mb))
+        return best[1]
 
     def group_bytes(self, sim: Sim, g: int) -> int:
         """Gradient bytes of group ``g``."""
@@ -239,38 +268,11 @@ class DeAR(_ShardedSchedule):
     exact = True
     mode = Mode.DEAR
     summary = "reduce-scatter in backward, all-gather overlapped with the next forward"
-    #: thresholds (fractions of the model's gradient bytes) an ideal tuner chooses from
-    TUNE_GRID = 24
+    default_threshold_mb = 25.0
 
     def group_plan(self, sim: Sim) -> list[list[int]]:
         """Groups of ``threshold_mb`` in forward order."""
         return forward_groups(sim, self.threshold_mb * MIB)
-
-    def setup(self, sim: Sim) -> None:
-        """The threshold (tuned if asked), then the groups."""
-        self.threshold_mb = float(self.opt("threshold_mb", 25.0))
-        if self.opt("tune", False):
-            self.threshold_mb = self.tuned_threshold(sim)
-        super().setup(sim)
-
-    def tuned_threshold(self, sim: Sim) -> float:
-        """What Bayesian optimization converges to at best: the fastest threshold on a log grid
-        over the engine's search range, [min(tune_min_mb, hi/64), hi], hi = min(tune_max_mb,
-        model MB)."""
-        total = sim.profile.numel * sim.bpe / MIB
-        hi = min(float(self.opt("tune_max_mb", 256.0)), max(total, 1e-6))
-        lo = min(float(self.opt("tune_min_mb", 1.0)), hi / 64)
-        best = (math.inf, hi)
-        for j in range(self.TUNE_GRID + 1):
-            mb = lo * (hi / lo) ** (j / self.TUNE_GRID)
-            trial = Sim(sim.profile, sim.p, sim.net, optimizer_s=sim.optimizer_s)
-            probe = DeAR(_Fixed(mb), self.codec)
-            probe.setup(trial)
-            for it in range(1, 5):
-                probe.iteration(trial, it)
-            t = (trial.tl.end_of(4) - trial.tl.end_of(2)) / 2
-            best = min(best, (t, mb))
-        return best[1]
 
     def after_reduce_scatter(self, sim: Sim, it: int, sync: Task) -> None:
         """step(): launch the all-gather of group 0; the rest are issued a window ahead."""
@@ -299,6 +301,11 @@ class DeAR(_ShardedSchedule):
                            after=[last])
 
 
-@dataclass
 class _Fixed:
-    threshold_mb: float
+    """``options`` with ``threshold_mb`` fixed and no tuning: one trial of the tuner."""
+
+    def __init__(self, options: Any, threshold_mb: float) -> None:
+        self._options, self.threshold_mb, self.tune = options, threshold_mb, False
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._options, key)

@@ -24,6 +24,9 @@ class Lee18Options:
     update: str = "layer"
     threshold_mb: float = 0.0
     merge_below: int = SMALL_TENSOR_ELEMS
+    tune: bool = False
+    tune_min_mb: float = 1.0
+    tune_max_mb: float = 256.0
 
 
 class Lee18(_ShardedSchedule):
@@ -57,9 +60,8 @@ class Lee18(_ShardedSchedule):
     def group_plan(self, sim: Sim) -> list[list[int]]:
         """One group per layer with parameters (``threshold_mb=0``, the paper), layers under
         ``merge_below`` elements riding with their neighbour, or layers fused in forward order
-        into groups of ``threshold_mb``."""
-        return forward_groups(sim, float(self.opt("threshold_mb", 0.0)) * MIB,
-                              int(self.opt("merge_below", SMALL_TENSOR_ELEMS)))
+        into groups of ``threshold_mb`` (tuned with ``tune=true``, as DeAR's)."""
+        return forward_groups(sim, self.threshold_mb * MIB, int(self.opt("merge_below", SMALL_TENSOR_ELEMS)))
 
     def update_s(self, sim: Sim, g: int) -> float:
         """Seconds of group ``g``'s shard update: its share of ``optimizer_s / P``."""
