@@ -161,7 +161,7 @@ class EngineMethod(Method):
     def _apply_state(self, state: dict[str, Any]) -> None:
         sizes = state.get("group_sizes")
         engine = self._need()
-        if sizes and self.mode is not Mode.SHARD and sum(sizes) == len(engine.units):
+        if sizes and list(sizes) != engine.sizes and sum(sizes) == len(engine.units):
             engine.flush()
             engine.set_grouping(list(sizes))
 
