@@ -151,10 +151,12 @@ def test_timing_runs_time_the_steady_state_unless_told_otherwise(tmp_path: Path)
 def test_timing_runs_leave_out_the_steps_a_method_spends_measuring_itself(tmp_path: Path) -> None:
     cfg = config(tmp_path, ["ssgd"], warmup=3, iters=4)
     assert runner.timing_warmup("ssgd", cfg) == runner.timing_warmup("dear", cfg) == 3
-    # mgwfbp profiles its layers before it plans the fusion; dear:tune=true times its trials
+    # mgwfbp profiles its layers before it plans the fusion; dear/lee18:tune=true time their trials
     assert runner.timing_warmup("mgwfbp", cfg) == methods.create("mgwfbp").warmup_steps() == 6
     assert runner.timing_warmup("mgwfbp:profile_iters=1", cfg) == 3  # the bench's own is larger
     assert runner.timing_warmup("dear:tune=true,tune_trials=3,tune_iters=2", cfg) == 3 * 4 + 1
+    assert runner.timing_warmup("lee18:tune=true,tune_trials=3,tune_iters=2", cfg) == 3 * 4 + 1
+    assert runner.timing_warmup("lee18", cfg) == 3
     args = runner.train_args(cfg, "mgwfbp", tmp_path / "m.json")
     assert args[args.index("--steps") + 1] == "10" and args[args.index("--warmup-steps") + 1] == "6"
     # time-to-accuracy runs train every step and keep the bench's warm-up

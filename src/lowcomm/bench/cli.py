@@ -68,7 +68,7 @@ def register(sub: Any) -> None:
     p.add_argument("--sweep-net", default=None, metavar="RATES", help="e.g. 100mbit,1gbit,10gbit (overrides --net)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per method (default 10)")
     p.add_argument("--warmup", type=int, default=2,
-                   help="untimed warm-up iterations (default 2; more for a method that first measures itself: mgwfbp, dear:tune=true)")
+                   help="untimed warm-up iterations (default 2; more for a method that first measures itself: mgwfbp, dear:tune=true, lee18:tune=true)")
     p.add_argument("--repeat", type=int, default=1, metavar="R",
                    help="run every method R times, in R rounds (each round runs every method once); a row is "
                         "its method's median run, every run's time kept, with their spread (default 1)")

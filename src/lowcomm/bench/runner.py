@@ -199,7 +199,7 @@ def timing_spec(spec: str, cfg: BenchConfig) -> str:
 def timing_warmup(spec: str, cfg: BenchConfig) -> int:
     """The steps a timing run leaves out of ``spec``'s medians: the bench's ``--warmup``, or
     more where the method first measures itself online (``mgwfbp`` profiles its layers before
-    it plans the fusion, ``dear:tune=true`` times each trial threshold); timing those steps
+    it plans the fusion, ``dear:tune=true`` and ``lee18:tune=true`` time each trial threshold); timing those steps
     would average the method with something else (:meth:`lowcomm.methods.base.Method.warmup_steps`)."""
     from lowcomm import methods
 
