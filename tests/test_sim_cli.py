@@ -9,13 +9,13 @@ import pytest
 from lowcomm.cli import main
 from lowcomm.sim import ComputeCosts, LayerProfile, Profile
 from lowcomm.compress.codec import CODECS
-from lowcomm.sim.advise import TUNED, candidates, is_exact
+from lowcomm.sim.advise import advised_spec, candidates, is_exact
 from lowcomm.sim.cli import split_methods
 
 
 def _candidate(spec: str) -> bool:
     """One of the methods the advisor compares (it runs ``dear`` and ``lee18`` with ``tune=true``)."""
-    return spec in [f"{m}:tune=true" if m in TUNED else m for m in candidates()]
+    return spec in [advised_spec(m) for m in candidates()]
 
 
 @pytest.fixture

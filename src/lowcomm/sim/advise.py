@@ -120,6 +120,12 @@ class Advice:
 TUNED = ("dear", "lee18")
 
 
+def advised_spec(method: str) -> str:
+    """The spec the advisor simulates for ``method``: a :data:`TUNED` schedule named without
+    options runs with its fusion tuner on."""
+    return f"{method}:tune=true" if method in TUNED else method
+
+
 def advise(profile: Profile, *, workers: int, network: NetworkModel,
            methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float = 25.0,
            semi_sync: bool = True) -> Advice:
@@ -130,7 +136,7 @@ def advise(profile: Profile, *, workers: int, network: NetworkModel,
     which method is fastest would run. ``semi_sync``: also try the semi-synchronous methods,
     reported apart (:attr:`Advice.semi_synchronous`).
     """
-    specs = [f"{m}:tune=true" if m in TUNED else m for m in (methods or candidates())]
+    specs = [advised_spec(m) for m in (methods or candidates())]
     preds: list[Prediction] = []
     skipped: dict[str, str] = {}
     for m in specs:

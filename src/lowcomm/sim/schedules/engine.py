@@ -249,13 +249,19 @@ class _ShardedSchedule(Schedule):
 
 
 @dataclass
-class DeAROptions:
-    """The options the simulator reads when the method registry has no ``dear``."""
+class TuneOptions:
+    """The tuner's options the simulator reads (:meth:`_ShardedSchedule.tuned_threshold`)."""
 
-    threshold_mb: float = 25.0
     tune: bool = False
     tune_min_mb: float = 1.0
     tune_max_mb: float = 256.0
+
+
+@dataclass
+class DeAROptions(TuneOptions):
+    """The options the simulator reads when the method registry has no ``dear``."""
+
+    threshold_mb: float = 25.0
 
 
 class DeAR(_ShardedSchedule):

@@ -13,20 +13,17 @@ from dataclasses import dataclass
 from lowcomm.sched.cost import SMALL_TENSOR_ELEMS
 from lowcomm.sched.pairing import Mode
 from lowcomm.sim.schedules.base import MIB, Sim
-from lowcomm.sim.schedules.engine import _ShardedSchedule, forward_groups
+from lowcomm.sim.schedules.engine import TuneOptions, _ShardedSchedule, forward_groups
 from lowcomm.sim.timeline import Task
 
 
 @dataclass
-class Lee18Options:
+class Lee18Options(TuneOptions):
     """The options the simulator reads when the method registry has no ``lee18``."""
 
     update: str = "layer"
     threshold_mb: float = 0.0
     merge_below: int = SMALL_TENSOR_ELEMS
-    tune: bool = False
-    tune_min_mb: float = 1.0
-    tune_max_mb: float = 256.0
 
 
 class Lee18(_ShardedSchedule):
