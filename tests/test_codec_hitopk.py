@@ -474,7 +474,7 @@ def test_the_ddp_hook_on_two_nodes_of_two_matches_the_reference_on_every_rank() 
 
 
 # --- engine schedules on 2 nodes x 2 ------------------------------------------------------
-ENGINE_SPECS = ("wfbp", "dear:threshold_mb=0", "lee18:merge_below=0")
+ENGINE_SPECS = ("wfbp", "dear:threshold_mb=0", "lee18:threshold_mb=0,merge_below=0")
 
 
 def _engine_runs_2x2() -> dict[str, Any]:

@@ -131,7 +131,7 @@ ENGINE = [
     "dear:compress=acpsgd,rank=2,start_iter=1",
     "dear",
     "lee18",
-    "lee18:merge_below=0",  # one group per layer: every group's hooks and updates in backward
+    "lee18:threshold_mb=0,merge_below=0",  # one group per layer: every group's hooks and updates in backward
     # the engine's cast, gathered and point-to-point paths (issue 11)
     "dear:compress=fp16",
     "lee18:compress=bf16",

@@ -113,7 +113,7 @@ class Pair:
         return rel_err(_params(self.eng), _params(self.ref))
 
 
-def _against_ddp(opt_kind: str, steps: int, spec: str = "lee18:update=layer,merge_below=0") -> dict[str, Any]:
+def _against_ddp(opt_kind: str, steps: int, spec: str = "lee18:update=layer,threshold_mb=0,merge_below=0") -> dict[str, Any]:
     torch.manual_seed(100 + dist.get_rank())  # rank 0's weights must win the initial broadcast
     pair = Pair(spec, opt_kind, tiny_model())
     rows = [pair.step(s) for s in range(steps)]
@@ -213,7 +213,7 @@ def _skip_nonfinite_first_layer(steps: int, bad: list[int]) -> dict[str, Any]:
     """At the steps ``bad`` rank 0's first-layer weight gradient is inf: every other group was
     already updated in backward; the skipped step must leave weights and state as DDP's."""
     torch.manual_seed(100 + dist.get_rank())
-    pair = Pair("lee18:merge_below=0", "adamw", tiny_model())
+    pair = Pair("lee18:threshold_mb=0,merge_below=0", "adamw", tiny_model())
     first = next(pair.eng.parameters())
     rows = []
     for s in range(steps):
@@ -253,7 +253,7 @@ def test_nonfinite_step_is_skipped_exactly_after_groups_were_updated_in_backward
 def _resume(path: str, steps: int, stop: int) -> dict[str, Any]:
     torch.manual_seed(7)
     base = tiny_model()
-    pair = Pair("lee18:update=layer,merge_below=0", "nesterov", base)
+    pair = Pair("lee18:update=layer,threshold_mb=0,merge_below=0", "nesterov", base)
     errs = [pair.step(s)["err"] for s in range(stop)]
     pair.method.flush()
     if pair.rank == 0:
@@ -274,7 +274,7 @@ def _resume(path: str, steps: int, stop: int) -> dict[str, Any]:
     pair.opt_eng.load_state_dict(ckpt["opt"])
     pair.lr_eng = torch.optim.lr_scheduler.StepLR(pair.opt_eng, step_size=1, gamma=0.8)
     pair.lr_eng.load_state_dict(ckpt["sched"])
-    pair.method = methods.create("lee18:update=layer,merge_below=0")
+    pair.method = methods.create("lee18:update=layer,threshold_mb=0,merge_below=0")
     pair.method.load_state_dict(ckpt["method"])
     pair.wrapped = pair.method.wrap(
         pair.eng, MethodContext(rank=pair.rank, world_size=dist.get_world_size())
@@ -323,7 +323,7 @@ def _one_step(
 def test_each_group_is_updated_in_backward_as_soon_as_its_exchange_has_arrived() -> None:
     """One process: every exchange is complete at launch, so every group, the last one
     included, is updated inside ``backward()``, in launch (reverse forward) order."""
-    method, model, wrapped = _local("lee18:merge_below=0")
+    method, model, wrapped = _local("lee18:threshold_mb=0,merge_below=0")
     opt = make_optimizer("momentum", model)
     _one_step(method, wrapped, opt, 0)
     x, y = batch(0, 1)
@@ -340,7 +340,7 @@ def test_each_group_is_updated_in_backward_as_soon_as_its_exchange_has_arrived()
 def test_hyperparameters_changed_between_steps_are_read_at_each_group_update() -> None:
     """lr and momentum set by hand between steps (and an LR schedule) reach the per-layer
     update exactly as they reach a plain optimizer.step()."""
-    method, model, wrapped = _local("lee18:update=layer,merge_below=0")
+    method, model, wrapped = _local("lee18:update=layer,threshold_mb=0,merge_below=0")
     plain = copy.deepcopy(model)
     opt, opt_plain = make_optimizer("nesterov", model), make_optimizer("nesterov", plain)
     for step in range(5):
@@ -358,7 +358,7 @@ def test_hyperparameters_changed_between_steps_are_read_at_each_group_update() -
 
 
 def test_clipping_from_the_first_step_falls_back_to_the_end_of_step_update_with_a_warning() -> None:
-    method, model, wrapped = _local("lee18:merge_below=0")
+    method, model, wrapped = _local("lee18:threshold_mb=0,merge_below=0")
     opt = make_optimizer("adamw", model)
     with pytest.warns(
         UserWarning, match="update=layer runs the end-of-step update instead: gradient clipping"
@@ -370,7 +370,7 @@ def test_clipping_from_the_first_step_falls_back_to_the_end_of_step_update_with_
 
 
 def test_clipping_first_asked_after_a_per_layer_update_is_refused_in_one_line() -> None:
-    method, model, wrapped = _local("lee18:update=layer,merge_below=0")
+    method, model, wrapped = _local("lee18:update=layer,threshold_mb=0,merge_below=0")
     opt = make_optimizer("adamw", model)
     _one_step(method, wrapped, opt, 0)
     with pytest.raises(UsageError) as e:
@@ -379,7 +379,7 @@ def test_clipping_first_asked_after_a_per_layer_update_is_refused_in_one_line() 
 
 
 def test_a_grad_scaler_makes_the_step_run_at_the_end_with_a_warning() -> None:
-    method, model, wrapped = _local("lee18:update=layer,merge_below=0")
+    method, model, wrapped = _local("lee18:update=layer,threshold_mb=0,merge_below=0")
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     method.attach_scaler(scaler)
     opt = make_optimizer("momentum", model)
@@ -396,7 +396,7 @@ def test_a_grad_scaler_makes_the_step_run_at_the_end_with_a_warning() -> None:
 
 
 def test_forgetting_both_optimizer_step_and_skip_step_is_refused_at_the_next_backward() -> None:
-    method, model, wrapped = _local("lee18:update=layer,merge_below=0")
+    method, model, wrapped = _local("lee18:update=layer,threshold_mb=0,merge_below=0")
     opt = make_optimizer("momentum", model)
     _one_step(method, wrapped, opt, 0)
     x, y = batch(0, 1)
@@ -407,7 +407,7 @@ def test_forgetting_both_optimizer_step_and_skip_step_is_refused_at_the_next_bac
 
 
 def test_update_step_never_updates_in_backward_and_bad_values_are_refused() -> None:
-    method, model, wrapped = _local("lee18:update=step,merge_below=0")
+    method, model, wrapped = _local("lee18:update=step,threshold_mb=0,merge_below=0")
     opt = make_optimizer("momentum", model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

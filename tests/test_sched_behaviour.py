@@ -149,7 +149,7 @@ def _bypass(spec: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("spec", ["dear:threshold_mb=0", "lee18:merge_below=0"])
+@pytest.mark.parametrize("spec", ["dear:threshold_mb=0", "lee18:threshold_mb=0,merge_below=0"])
 def test_parameter_used_outside_its_module_forward_is_refused_for_deferred_schedules(spec: str) -> None:
     msgs = run_distributed(_bypass, 2, spec, timeout=60)
     assert all("'side." in m and "call the module itself" in m for m in msgs), msgs
@@ -325,11 +325,18 @@ def test_layers_under_the_minimum_ride_with_their_neighbour_and_the_rest_keep_th
     assert fuse_by_threshold(units, 0, 10**9) == [5]
 
 
-def test_lee18_merges_layers_under_mgwfbps_8192_elements_by_default_and_not_with_merge_below_0() -> None:
-    for spec, sizes in (("lee18", [1, 2, 2]), ("lee18:merge_below=0", [1] * 5)):
+def test_lee18_per_layer_merges_layers_under_mgwfbps_8192_elements_unless_merge_below_is_0() -> None:
+    for spec, sizes in (("lee18:threshold_mb=0", [1, 2, 2]), ("lee18:threshold_mb=0,merge_below=0", [1] * 5)):
         method = methods.create(spec)
         method.wrap(layers_with_norms(), MethodContext())
         assert [len(g.units) for g in method.engine.groups] == sizes, spec
+
+
+def test_lee18_fuses_layers_into_25_mb_groups_by_default_as_dear() -> None:
+    lee18, dear = methods.create("lee18"), methods.create("dear")
+    assert lee18.options.threshold_mb == dear.options.threshold_mb == 25.0
+    lee18.wrap(layers_with_norms(), MethodContext())
+    assert [len(g.units) for g in lee18.engine.groups] == [5]  # a small model: one group
 
 
 # --- one process ----------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ SPECS = {
     "wfbp": "wfbp",
     "mgwfbp": "mgwfbp:alpha=1.0,beta=0.0,profile_iters=2",  # huge α: merges into one group mid-run
     "dear": "dear:threshold_mb=0.0004",  # ~400-byte groups: several groups
-    "lee18": "lee18:merge_below=0",  # one group per layer, as dear:threshold_mb=0
+    "lee18": "lee18:threshold_mb=0,merge_below=0",  # one group per layer, as dear:threshold_mb=0
     "hier": "hier:threshold_mb=0",  # one node here: the flat fallback (2 x 2 nodes: test_hierarchical.py)
 }
 

@@ -22,7 +22,7 @@ from lowcomm.testing.distributed import run_distributed
 
 methods.names()
 
-SHARDED = ["lee18:compress=fp16,merge_below=0", "dear:compress=fp16,threshold_mb=0", "lee18:merge_below=0", "dear:threshold_mb=0"]
+SHARDED = ["lee18:compress=fp16,threshold_mb=0,merge_below=0", "dear:compress=fp16,threshold_mb=0", "lee18:threshold_mb=0,merge_below=0", "dear:threshold_mb=0"]
 
 
 def _row3(rank: int, big: float, both: bool) -> torch.Tensor:

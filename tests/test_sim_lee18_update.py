@@ -43,8 +43,9 @@ def conv_profile(shapes: list[list[int]], fwd: float, bwd: float, opt: float) ->
 def both(
     prof: Profile, workers: int, net: NetworkModel, extra: str = ""
 ) -> tuple[float, float, object]:
-    layer = predict_iteration_time(prof, f"lee18:update=layer{extra}", workers=workers, network=net)
-    step = predict_iteration_time(prof, f"lee18:update=step{extra}", workers=workers, network=net)
+    # one group per layer (the paper's grouping): every closed form below counts per layer
+    layer = predict_iteration_time(prof, f"lee18:threshold_mb=0,update=layer{extra}", workers=workers, network=net)
+    step = predict_iteration_time(prof, f"lee18:threshold_mb=0,update=step{extra}", workers=workers, network=net)
     return layer.iter_time_s, step.iter_time_s, layer.timeline
 
 
@@ -116,7 +117,7 @@ def test_update_layer_is_never_slower_than_its_snapshot_copies_on_random_profile
 
 def test_a_summed_codec_decodes_each_groups_slice_before_its_update() -> None:
     prof = conv_profile([[256, 256, 4, 4]] * 2, 2e-3, 4e-3, 1e-3)
-    pred = predict_iteration_time(prof, "lee18:update=layer,compress=bf16", workers=4, network=SLOW)
+    pred = predict_iteration_time(prof, "lee18:threshold_mb=0,update=layer,compress=bf16", workers=4, network=SLOW)
     tl = pred.timeline
     decodes = [tl.find(f"dec.g{g}", 3) for g in range(2)]
     assert sum(d.duration for d in decodes) == pytest.approx(
@@ -130,7 +131,7 @@ def test_a_fusion_threshold_fuses_layers_into_fewer_exchanges_and_saves_their_la
     # eight 16 KiB layers on a 1 ms-latency link: one group per layer pays eight latencies of
     # each collective, a 1 MiB threshold one
     prof = conv_profile([[64, 64]] * 8, 1e-4, 2e-4, 1e-4)
-    per_layer = predict_iteration_time(prof, "lee18:merge_below=0", workers=4, network=SLOW)
+    per_layer = predict_iteration_time(prof, "lee18:threshold_mb=0,merge_below=0", workers=4, network=SLOW)
     fused = predict_iteration_time(prof, "lee18:threshold_mb=1", workers=4, network=SLOW)
     exchanges = [t for t in fused.timeline.of_iteration(2) if t.name.startswith("rs.")]
     assert len(exchanges) == 1
@@ -142,7 +143,15 @@ def test_layers_under_8192_elements_ride_with_their_neighbour_unless_merge_below
     # 4,096-element layers: by default two of them fill a group, as the engine groups them
     prof = conv_profile([[64, 64]] * 8, 1e-4, 2e-4, 1e-4)
     counts = []
-    for spec in ("lee18", "lee18:merge_below=0"):
+    for spec in ("lee18:threshold_mb=0", "lee18:threshold_mb=0,merge_below=0"):
         timeline = predict_iteration_time(prof, spec, workers=4, network=SLOW).timeline
         counts.append(len([t for t in timeline.of_iteration(2) if t.name.startswith("rs.")]))
     assert counts == [4, 8]
+
+
+def test_by_default_layers_fuse_into_25_mb_groups_as_dears() -> None:
+    prof = conv_profile([[256, 256, 4, 4]] * 16, 1e-4, 2e-4, 1e-4)  # 4 MiB each: seven per group
+    default = predict_iteration_time(prof, "lee18", workers=4, network=SLOW)
+    fused = predict_iteration_time(prof, "lee18:threshold_mb=25", workers=4, network=SLOW)
+    assert default.iter_time_s == fused.iter_time_s
+    assert len([t for t in default.timeline.of_iteration(2) if t.name.startswith("rs.")]) == 3

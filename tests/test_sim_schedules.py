@@ -234,8 +234,9 @@ def test_dear_beats_ssgd_when_communication_bound() -> None:
 def test_lee18_updates_own_shard_and_gathers_parameters_in_next_forward() -> None:
     prof = two_layers()
     # fc=data_parallel: fc=auto would run these 2-D layers model-parallel (test_lee18_fc_sim)
-    # update=step: one update after backward (update=layer: tests/test_sim_lee18_update.py)
-    pred = predict_iteration_time(prof, "lee18:fc=data_parallel,update=step", workers=4, network=NET)
+    # update=step: one update after backward (update=layer: tests/test_sim_lee18_update.py);
+    # threshold_mb=0: one group per layer, so that the second layer's gather can follow the first
+    pred = predict_iteration_time(prof, "lee18:fc=data_parallel,update=step,threshold_mb=0", workers=4, network=NET)
     tl = pred.timeline
     assert tl.find("upd.shard", 3).duration == pytest.approx(OPT / 4)
     assert tl.find("ag.g1", 3).overlaps(tl.find("fwd.0", 3))

@@ -296,8 +296,8 @@ class DeAR(FusionTuning, EngineMethod):
 # --------------------------------------------------------------------------------------------
 @register
 class Lee18(ModelParallelFC, FusionTuning, EngineMethod):
-    """Per-layer reduce-scatter, sharded update, all-gather of parameters before forward;
-    ``fc=``: Linear layers model-parallel (:mod:`lowcomm.parallel.lee18_fc`); ``tune=true``:
+    """Reduce-scatter per fused group (per layer with ``threshold_mb=0``, the paper), sharded
+    update, all-gather of parameters before forward; ``fc=``: Linear layers model-parallel (:mod:`lowcomm.parallel.lee18_fc`); ``tune=true``:
     the fusion threshold chosen online, as ``dear:tune=true``."""
 
     name = "lee18"

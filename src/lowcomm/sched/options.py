@@ -92,7 +92,9 @@ class Lee18Fields(TuneFields):
     ``tune=true`` chooses ``threshold_mb`` online as ``dear:tune=true`` does."""
 
     update: str = "layer"
-    threshold_mb: float = 0.0  # 0: one group per layer (the paper); > 0: fused groups of that size
+    # fused groups of this size, as DeAR's and DDP's buckets: one ring per layer pays a ring's
+    # start per layer, which fusion saves (scheduling.md); 0: one group per layer (the paper)
+    threshold_mb: float = 25.0
     # a group closes only once it holds this many elements: layers smaller than MG-WFBP's
     # 8192 (BatchNorm, a lone bias) ride with their neighbour; 0: strictly one group per layer
     merge_below: int = SMALL_TENSOR_ELEMS

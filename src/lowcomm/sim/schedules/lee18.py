@@ -22,7 +22,7 @@ class Lee18Options(TuneOptions):
     """The options the simulator reads when the method registry has no ``lee18``."""
 
     update: str = "layer"
-    threshold_mb: float = 0.0
+    threshold_mb: float = 25.0
     merge_below: int = SMALL_TENSOR_ELEMS
 
 
@@ -45,7 +45,8 @@ class Lee18(_ShardedSchedule):
     mode = Mode.SHARD
     caveat = "same updates as ssgd; optimizer state is sharded across workers."
     exact = True
-    summary = "per-layer reduce-scatter, shard update, all-gather of parameters in next forward"
+    summary = "reduce-scatter per fused group, shard update, all-gather of parameters in next forward"
+    default_threshold_mb = 25.0
 
     def setup(self, sim: Sim) -> None:
         """Groups, and whether each group is updated as its exchange arrives."""
@@ -55,9 +56,9 @@ class Lee18(_ShardedSchedule):
         self.updated: list[int] = []
 
     def group_plan(self, sim: Sim) -> list[list[int]]:
-        """One group per layer with parameters (``threshold_mb=0``, the paper), layers under
-        ``merge_below`` elements riding with their neighbour, or layers fused in forward order
-        into groups of ``threshold_mb`` (tuned with ``tune=true``, as DeAR's)."""
+        """Layers fused in forward order into groups of ``threshold_mb`` (tuned with
+        ``tune=true``, as DeAR's), or one group per layer with parameters (``threshold_mb=0``,
+        the paper), layers under ``merge_below`` elements riding with their neighbour."""
         return forward_groups(sim, self.threshold_mb * MIB, int(self.opt("merge_below", SMALL_TENSOR_ELEMS)))
 
     def update_s(self, sim: Sim, g: int) -> float:
