@@ -17,7 +17,7 @@ from lowcomm import methods
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import MethodContext
 from lowcomm.sched.cost import AlphaBeta, plan_mgwfbp, predict_iteration
-from lowcomm.sched.groups import collect_units, fuse_by_threshold
+from lowcomm.sched.groups import collect_units, fuse_by_threshold, fuse_sizes
 from lowcomm.testing.distributed import run_distributed
 
 from test_sched_correctness import (
@@ -332,11 +332,24 @@ def test_lee18_per_layer_merges_layers_under_mgwfbps_8192_elements_unless_merge_
         assert [len(g.units) for g in method.engine.groups] == sizes, spec
 
 
-def test_lee18_fuses_layers_into_25_mb_groups_by_default_as_dear() -> None:
+def test_lee18_fuses_layers_into_25_mb_groups_after_a_1_mb_first_group_by_default_as_dear() -> None:
     lee18, dear = methods.create("lee18"), methods.create("dear")
     assert lee18.options.threshold_mb == dear.options.threshold_mb == 25.0
+    assert lee18.options.first_group_mb == dear.options.first_group_mb == 1.0
     lee18.wrap(layers_with_norms(), MethodContext())
     assert [len(g.units) for g in lee18.engine.groups] == [5]  # a small model: one group
+
+
+def test_the_first_group_closes_at_first_bytes_and_the_rest_at_the_threshold() -> None:
+    mib = [1 << 20] * 10
+    assert fuse_sizes(mib, mib, 4 << 20) == [4, 4, 2]
+    assert fuse_sizes(mib, mib, 4 << 20, first_bytes=1 << 20) == [1, 4, 4, 1]
+    assert fuse_sizes(mib, mib, 4 << 20, first_bytes=8 << 20) == [4, 4, 2]  # never above the threshold
+    assert fuse_sizes(mib, mib, 0, first_bytes=1 << 20) == [1] * 10  # per layer stays per layer
+    # the elements rule still holds for the first group
+    assert fuse_sizes(mib, [1] * 10, 4 << 20, min_numel=3, first_bytes=1 << 20) == [3, 4, 3]
+    with pytest.raises(UsageError, match="dear: first_group_mb"):
+        methods.create("dear:first_group_mb=-1")
 
 
 # --- one process ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from lowcomm.sim import (
     Profile,
     predict_iteration_time,
 )
+from lowcomm.sim.predict import simulate
 
 COSTS = ComputeCosts(
     elementwise_s_per_elem=1e-9,
@@ -149,9 +150,11 @@ def test_layers_under_8192_elements_ride_with_their_neighbour_unless_merge_below
     assert counts == [4, 8]
 
 
-def test_by_default_layers_fuse_into_25_mb_groups_as_dears() -> None:
-    prof = conv_profile([[256, 256, 4, 4]] * 16, 1e-4, 2e-4, 1e-4)  # 4 MiB each: seven per group
+def test_by_default_layers_fuse_into_25_mb_groups_after_a_1_mb_first_group_as_dears() -> None:
+    prof = conv_profile([[256, 256, 4, 4]] * 16, 1e-4, 2e-4, 1e-4)  # 4 MiB each
     default = predict_iteration_time(prof, "lee18", workers=4, network=SLOW)
-    fused = predict_iteration_time(prof, "lee18:threshold_mb=25", workers=4, network=SLOW)
+    fused = predict_iteration_time(prof, "lee18:threshold_mb=25,first_group_mb=1", workers=4, network=SLOW)
     assert default.iter_time_s == fused.iter_time_s
-    assert len([t for t in default.timeline.of_iteration(2) if t.name.startswith("rs.")]) == 3
+    for spec, sizes in (("lee18", [1, 7, 7, 1]), ("lee18:first_group_mb=0", [7, 7, 2]), ("dear", [1, 7, 7, 1])):
+        _, schedule = simulate(prof, spec, workers=4, network=SLOW)
+        assert [len(g) for g in schedule.groups] == sizes, spec

@@ -38,8 +38,9 @@ class FusionTuning:
         self.tuned = False
 
     def grouping(self, engine: Engine, threshold_mb: float) -> list[int]:
-        """Units per group for ``threshold_mb`` (forward order): fused up to that many MB."""
-        return fuse_by_threshold(engine.units, threshold_mb * MB)
+        """Units per group for ``threshold_mb`` (forward order): fused up to that many MB, the
+        first group up to ``first_group_mb``."""
+        return fuse_by_threshold(engine.units, threshold_mb * MB, first_bytes=self.options.first_group_mb * MB)
 
     def start_tuning(self, engine: Engine) -> bool:
         """With ``tune=true`` and no choice made yet: a tuner over the search range (scaled down

@@ -315,8 +315,10 @@ class Lee18(ModelParallelFC, FusionTuning, EngineMethod):
             engine.set_grouping(self.grouping(engine, self.threshold_mb))
 
     def grouping(self, engine: Engine, threshold_mb: float) -> list[int]:
-        """Fused up to ``threshold_mb``, a group closing only once it holds ``merge_below`` elements."""
-        return fuse_by_threshold(engine.units, threshold_mb * MB, self.options.merge_below)
+        """Fused up to ``threshold_mb`` (the first group up to ``first_group_mb``), a group
+        closing only once it holds ``merge_below`` elements."""
+        o = self.options
+        return fuse_by_threshold(engine.units, threshold_mb * MB, o.merge_below, o.first_group_mb * MB)
 
     def describe(self) -> dict[str, Any]:
         """Adds why ``update=layer`` ran the end-of-step update instead, if it did."""

@@ -74,11 +74,17 @@ def check_sizes(sizes: list[int], n_units: int) -> None:
 
 
 def fuse_sizes(nbytes: Sequence[int], numels: Sequence[int], threshold_bytes: float,
-               min_numel: int = 0) -> list[int]:
+               min_numel: int = 0, first_bytes: float = 0.0) -> list[int]:
     """Greedy fusion in forward order of layers given by their bytes and elements: close a
     group once it holds ``threshold_bytes`` and at least ``min_numel`` elements; the group
     sizes (layer counts). The engine (:func:`fuse_by_threshold`) and the simulator
     (:func:`lowcomm.sim.schedules.engine.forward_groups`) both group with it.
+
+    ``first_bytes`` > 0 closes the first group at the smaller of it and ``threshold_bytes``, as
+    DDP's first bucket (1 MiB) is small so that communication starts early. For the sharded
+    schedules (``dear``, ``lee18``) the forward-order first group is the one whose
+    reduce-scatter is issued last in backward and whose all-gather the next forward waits for
+    first, so its size is exposed twice per step (docs/scheduling.md, "The first group").
 
     ``threshold_bytes <= 0`` and ``min_numel <= 0`` give one group per layer (plain WFBP);
     ``min_numel`` alone keeps one group per layer but lets layers smaller than it (BatchNorm's
@@ -92,7 +98,8 @@ def fuse_sizes(nbytes: Sequence[int], numels: Sequence[int], threshold_bytes: fl
         count += 1
         acc += b
         elems += n
-        if acc >= threshold_bytes and elems >= min_numel:
+        limit = min(first_bytes, threshold_bytes) if first_bytes > 0 and not sizes else threshold_bytes
+        if acc >= limit and elems >= min_numel:
             sizes.append(count)
             count, acc, elems = 0, 0, 0
     if count:
@@ -100,9 +107,10 @@ def fuse_sizes(nbytes: Sequence[int], numels: Sequence[int], threshold_bytes: fl
     return sizes
 
 
-def fuse_by_threshold(units: list[Unit], threshold_bytes: float, min_numel: int = 0) -> list[int]:
+def fuse_by_threshold(units: list[Unit], threshold_bytes: float, min_numel: int = 0,
+                      first_bytes: float = 0.0) -> list[int]:
     """:func:`fuse_sizes` over ``units``, in forward order."""
-    return fuse_sizes([u.nbytes for u in units], [u.numel for u in units], threshold_bytes, min_numel)
+    return fuse_sizes([u.nbytes for u in units], [u.numel for u in units], threshold_bytes, min_numel, first_bytes)
 
 
 @dataclass

@@ -62,6 +62,9 @@ class TuneFields(EngineFields):
     section V: Bayesian optimization of ``threshold_mb`` over ``[tune_min_mb, tune_max_mb]``,
     ``tune_trials`` trials of ``tune_iters`` timed steps each; :mod:`lowcomm.sched.tune`)."""
 
+    # the forward-order first group closes at this size (0: at threshold_mb), as DDP's first
+    # bucket: it is exposed at both ends of a step (lowcomm.sched.groups.fuse_sizes)
+    first_group_mb: float = 1.0
     tune: bool = False
     tune_trials: int = 10
     tune_iters: int = 5  # measured iterations per trial (one more is discarded)
@@ -72,6 +75,7 @@ class TuneFields(EngineFields):
     def check_tuning(self, schedule: str) -> None:
         """Refuse a bad search range or trial count, naming ``schedule``; with ``tune=true``,
         refuse a missing bayes_opt here, in one line, not at step 1."""
+        check_positive(f"{schedule}: first_group_mb", self.first_group_mb, allow_zero=True)
         if self.tune_trials < 1 or self.tune_iters < 1:
             raise UsageError(f"{schedule}: tune_trials and tune_iters must be >= 1")
         check_positive(f"{schedule}: tune_min_mb", self.tune_min_mb)

@@ -100,12 +100,12 @@ class MGWFBP(BucketSchedule):
         self.buckets = layer_buckets(sim, self.groups)
 
 
-def forward_groups(sim: Sim, threshold_bytes: float, min_numel: int = 0) -> list[list[int]]:
+def forward_groups(sim: Sim, threshold_bytes: float, min_numel: int = 0, first_bytes: float = 0.0) -> list[list[int]]:
     """Consecutive layers with parameters in forward order, grouped as the engine groups them
     (:func:`lowcomm.sched.groups.fuse_sizes`)."""
     layers = [i for i, layer in enumerate(sim.profile.layers) if layer.numel > 0]
     sizes = fuse_sizes([sim.layer_bytes(i) for i in layers], [sim.profile.layers[i].numel for i in layers],
-                       threshold_bytes, min_numel)
+                       threshold_bytes, min_numel, first_bytes)
     return [g[::-1] for g in groups_of(sim, sizes)[::-1]]  # groups_of gives backward order
 
 
@@ -164,6 +164,10 @@ class _ShardedSchedule(Schedule):
             t = (trial.tl.end_of(4) - trial.tl.end_of(2)) / 2
             best = min(best, (t, mb))
         return best[1]
+
+    def first_group_bytes(self) -> float:
+        """Where the forward-order first group closes (``first_group_mb``; 0: at the threshold)."""
+        return float(self.opt("first_group_mb", 1.0)) * MIB
 
     def group_bytes(self, sim: Sim, g: int) -> int:
         """Gradient bytes of group ``g``."""
@@ -250,8 +254,11 @@ class _ShardedSchedule(Schedule):
 
 @dataclass
 class TuneOptions:
-    """The tuner's options the simulator reads (:meth:`_ShardedSchedule.tuned_threshold`)."""
+    """The fusion options the simulator reads: the first group's size
+    (:meth:`_ShardedSchedule.first_group_bytes`) and the tuner's
+    (:meth:`_ShardedSchedule.tuned_threshold`)."""
 
+    first_group_mb: float = 1.0
     tune: bool = False
     tune_min_mb: float = 1.0
     tune_max_mb: float = 256.0
@@ -277,8 +284,8 @@ class DeAR(_ShardedSchedule):
     default_threshold_mb = 25.0
 
     def group_plan(self, sim: Sim) -> list[list[int]]:
-        """Groups of ``threshold_mb`` in forward order."""
-        return forward_groups(sim, self.threshold_mb * MIB)
+        """Groups of ``threshold_mb`` in forward order, the first of ``first_group_mb``."""
+        return forward_groups(sim, self.threshold_mb * MIB, first_bytes=self.first_group_bytes())
 
     def after_reduce_scatter(self, sim: Sim, it: int, sync: Task) -> None:
         """step(): launch the all-gather of group 0; the rest are issued a window ahead."""

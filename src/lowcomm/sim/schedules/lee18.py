@@ -59,7 +59,8 @@ class Lee18(_ShardedSchedule):
         """Layers fused in forward order into groups of ``threshold_mb`` (tuned with
         ``tune=true``, as DeAR's), or one group per layer with parameters (``threshold_mb=0``,
         the paper), layers under ``merge_below`` elements riding with their neighbour."""
-        return forward_groups(sim, self.threshold_mb * MIB, int(self.opt("merge_below", SMALL_TENSOR_ELEMS)))
+        return forward_groups(sim, self.threshold_mb * MIB, int(self.opt("merge_below", SMALL_TENSOR_ELEMS)),
+                              self.first_group_bytes())
 
     def update_s(self, sim: Sim, g: int) -> float:
         """Seconds of group ``g``'s shard update: its share of ``optimizer_s / P``."""
