@@ -100,6 +100,30 @@ def plan_of(row: dict[str, Any]) -> list[int] | None:
     return [int(n) for n in sizes] if sizes else None
 
 
+#: the options that set ``dear``'s and ``lee18``'s grouping, with the value a run recorded
+#: before the option existed ran with (None: always recorded); ``merge_below`` is lee18's only
+GROUPING_OPTIONS = {"threshold_mb": None, "first_group_mb": 0.0, "merge_below": 0}
+
+
+def spec_as_run(row: dict[str, Any]) -> str:
+    """The row's method spec with the grouping options its run recorded (``method_info``) added
+    where the spec does not give them. Why: a default that changes later (``lee18`` one group
+    per layer until 2026-12-01, the 1 MB first group since) would otherwise re-predict an old
+    row as a schedule it did not run (``benchmarks/repredict.py``)."""
+    spec = row.get("spec_run") or row["method"]
+    info = row.get("method_info") or {}
+    method, options = info.get("method"), info.get("options")
+    if method not in ("dear", "lee18") or not isinstance(options, dict) or "(" in spec:
+        return spec
+    given = {kv.split("=", 1)[0].strip() for kv in spec.partition(":")[2].split(",") if "=" in kv}
+    extra = [f"{key}={options.get(key, before)}" for key, before in GROUPING_OPTIONS.items()
+             if key not in given and (key != "merge_below" or method == "lee18")
+             and options.get(key, before) is not None]
+    if not extra:
+        return spec
+    return spec + ("," if ":" in spec else ":") + ",".join(extra)
+
+
 def bucket_mb_of(row: dict[str, Any]) -> float:
     """The DDP bucket cap a row's run used (``method_info``; DDP's 25 MB when not reported):
     ``torch_powersgd`` runs one bucket on gloo, and a simulator with 25 MB buckets would
@@ -158,7 +182,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     for r in rows:
         if r.get("status") != "ok":
             continue
-        spec = r.get("spec_run") or r["method"]
+        spec = spec_as_run(r)
         try:
             emulated = str(r.get("compute", "real")).startswith("emulated")
             shared = net.with_contention(contention_s_per_byte, contention_s_per_collective,
