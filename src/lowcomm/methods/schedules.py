@@ -297,8 +297,9 @@ class DeAR(FusionTuning, EngineMethod):
 @register
 class Lee18(ModelParallelFC, FusionTuning, EngineMethod):
     """Reduce-scatter per fused group (per layer with ``threshold_mb=0``, the paper), sharded
-    update, all-gather of parameters before forward; ``fc=``: Linear layers model-parallel (:mod:`lowcomm.parallel.lee18_fc`); ``tune=true``:
-    the fusion threshold chosen online, as ``dear:tune=true``."""
+    update, all-gather of parameters before forward; ``fc=``: Linear layers model-parallel
+    (:mod:`lowcomm.parallel.lee18_fc`); ``tune=true``: the fusion threshold chosen online, as
+    ``dear:tune=true``."""
 
     name = "lee18"
     mode = Mode.SHARD

@@ -72,9 +72,9 @@ class TuneFields(EngineFields):
     tune_max_mb: float = 256.0
     seed: int = 0  # tuner (and the codec's seed, when it has one)
 
-    def check_tuning(self, schedule: str) -> None:
-        """Refuse a bad search range or trial count, naming ``schedule``; with ``tune=true``,
-        refuse a missing bayes_opt here, in one line, not at step 1."""
+    def check_fusion(self, schedule: str) -> None:
+        """Refuse a bad first group size, search range or trial count, naming ``schedule``; with
+        ``tune=true``, refuse a missing bayes_opt here, in one line, not at step 1."""
         check_positive(f"{schedule}: first_group_mb", self.first_group_mb, allow_zero=True)
         if self.tune_trials < 1 or self.tune_iters < 1:
             raise UsageError(f"{schedule}: tune_trials and tune_iters must be >= 1")
@@ -109,7 +109,7 @@ class Lee18Fields(TuneFields):
             raise UsageError(f"lee18: update={self.update!r} is not valid; valid: {', '.join(LEE18_UPDATES)}")
         check_positive("lee18: threshold_mb", self.threshold_mb, allow_zero=True)
         check_positive("lee18: merge_below", self.merge_below, allow_zero=True)
-        self.check_tuning("lee18")
+        self.check_fusion("lee18")
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DeAROptions(TuneFields):
 
     def __post_init__(self) -> None:
         check_positive("dear: threshold_mb", self.threshold_mb, allow_zero=True)
-        self.check_tuning("dear")
+        self.check_fusion("dear")
 
 
 def _codec_fields() -> dict[str, dataclasses.Field[Any]]:

@@ -123,8 +123,8 @@ class _ShardedSchedule(Schedule):
     def group_plan(self, sim: Sim) -> list[list[int]]:
         """Layer groups in forward order."""
 
-    #: ``threshold_mb`` when the options do not give one
-    default_threshold_mb = 0.0
+    #: ``threshold_mb`` when the options do not give one (``dear``'s and ``lee18``'s default)
+    default_threshold_mb = 25.0
     #: thresholds (fractions of the model's gradient bytes) an ideal tuner chooses from
     TUNE_GRID = 24
 
@@ -281,7 +281,6 @@ class DeAR(_ShardedSchedule):
     exact = True
     mode = Mode.DEAR
     summary = "reduce-scatter in backward, all-gather overlapped with the next forward"
-    default_threshold_mb = 25.0
 
     def group_plan(self, sim: Sim) -> list[list[int]]:
         """Groups of ``threshold_mb`` in forward order, the first of ``first_group_mb``."""

@@ -46,7 +46,6 @@ class Lee18(_ShardedSchedule):
     caveat = "same updates as ssgd; optimizer state is sharded across workers."
     exact = True
     summary = "reduce-scatter per fused group, shard update, all-gather of parameters in next forward"
-    default_threshold_mb = 25.0
 
     def setup(self, sim: Sim) -> None:
         """Groups, and whether each group is updated as its exchange arrives."""
