@@ -48,7 +48,6 @@ def test_a_plan_that_does_not_fit_the_profile_falls_back_to_planning_and_says_so
     assert "the run's plan was not replayed" in rows[0]["prediction_note"]
 
 
-
 def test_a_sharded_row_is_predicted_with_the_grouping_its_run_recorded() -> None:
     # lee18 before 2026-12-01: one group per layer, no first-group rule, merge_below recorded
     old = _row("lee18", {"method": "lee18", "options": {"threshold_mb": 0.0, "merge_below": 8192, "tune": False}})

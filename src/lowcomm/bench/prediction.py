@@ -36,6 +36,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from lowcomm.errors import UsageError
+from lowcomm.methods import split_spec
+from lowcomm.methods.base import split_top_level
 
 
 def measure(*, model: str, batch_size: int, input_shape: str | None, threads: int | None,
@@ -115,7 +117,7 @@ def spec_as_run(row: dict[str, Any]) -> str:
     method, options = info.get("method"), info.get("options")
     if method not in ("dear", "lee18") or not isinstance(options, dict) or "(" in spec:
         return spec
-    given = {kv.split("=", 1)[0].strip() for kv in spec.partition(":")[2].split(",") if "=" in kv}
+    given = {kv.split("=", 1)[0].strip() for kv in split_top_level(split_spec(spec)[1]) if "=" in kv}
     extra = [f"{key}={options.get(key, before)}" for key, before in GROUPING_OPTIONS.items()
              if key not in given and (key != "merge_below" or method == "lee18")
              and options.get(key, before) is not None]

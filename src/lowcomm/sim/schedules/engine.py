@@ -167,7 +167,7 @@ class _ShardedSchedule(Schedule):
 
     def first_group_bytes(self) -> float:
         """Where the forward-order first group closes (``first_group_mb``; 0: at the threshold)."""
-        return float(self.opt("first_group_mb", 1.0)) * MIB
+        return float(self.opt("first_group_mb", TuneOptions.first_group_mb)) * MIB
 
     def group_bytes(self, sim: Sim, g: int) -> int:
         """Gradient bytes of group ``g``."""
