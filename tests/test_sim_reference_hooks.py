@@ -11,7 +11,7 @@ from torch import nn
 
 from lowcomm import methods
 from lowcomm.bench import trained
-from lowcomm.bench.prediction import bucket_mb_of
+from lowcomm.bench.prediction import ddp_caps_of
 from lowcomm.comm import accounting
 from lowcomm.methods.base import MethodContext
 from lowcomm.sim import LayerProfile, Link, NetworkModel, Profile, predict_iteration_time
@@ -74,9 +74,9 @@ def test_without_a_timed_hook_its_work_is_priced_never_taken_from_lowcomms_codec
 
 
 def test_the_bench_replays_the_bucket_cap_a_run_reports() -> None:
-    assert bucket_mb_of({"method_info": {"method": "torch_powersgd", "bucket_cap_mb": 1e5}}) == 1e5
-    assert bucket_mb_of({"method_info": {"method": "ssgd"}}) == 25.0
-    assert bucket_mb_of({}) == 25.0
+    assert ddp_caps_of({"method_info": {"method": "torch_powersgd", "bucket_cap_mb": 1e5}})[0] == 1e5
+    assert ddp_caps_of({"method_info": {"method": "ssgd"}})[0] == 25.0
+    assert ddp_caps_of({})[0] == 25.0
 
 
 def test_the_hooks_kernel_bound_is_that_of_the_codec_of_their_payload() -> None:

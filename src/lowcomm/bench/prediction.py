@@ -24,8 +24,8 @@ timings it measures online, and on 4 emulated workers at 1 Gbit/s the two plans 
 Each successful row gets ``predicted_iter_time_s`` (DESIGN.md's key), ``prediction_error``
 ((predicted − measured) / measured), ``predicted_bytes_per_worker_per_iter`` and
 ``predicted_breakdown_s``; a method the simulator has no schedule for (one registered at run
-time without a schedule) gets ``prediction_note`` instead. A row is simulated with the DDP bucket cap its run reports
-(:func:`bucket_mb_of`).
+time without a schedule) gets ``prediction_note`` instead. A row is simulated with the DDP bucket caps its run reports
+(:func:`ddp_caps_of`).
 """
 
 from __future__ import annotations
@@ -126,11 +126,15 @@ def spec_as_run(row: dict[str, Any]) -> str:
     return spec + ("," if ":" in spec else ":") + ",".join(extra)
 
 
-def bucket_mb_of(row: dict[str, Any]) -> float:
-    """The DDP bucket cap a row's run used (``method_info``; DDP's 25 MB when not reported):
-    ``torch_powersgd`` runs one bucket on gloo, and a simulator with 25 MB buckets would
-    overlap its factors' rounds with backward where the run could not."""
-    return float((row.get("method_info") or {}).get("bucket_cap_mb") or 25.0)
+def ddp_caps_of(row: dict[str, Any]) -> tuple[float, float]:
+    """The DDP bucket caps a row's run used (``method_info``), as the simulator's
+    ``(bucket_mb, first_bucket_mb)``: ``torch_powersgd`` runs one bucket on gloo, and a
+    simulator with 25 MB buckets would overlap its factors' rounds with backward where the run
+    could not. A run that predates ``first_bucket_mb`` (2026-12-02) gave DDP its cap (25 MB
+    when not reported), and torch 2.13's DDP then closes the first bucket at the cap too."""
+    info = row.get("method_info") or {}
+    cap = float(info.get("bucket_cap_mb") or 25.0)
+    return cap, float(info.get("first_bucket_mb") or cap)
 
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,
@@ -191,15 +195,16 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
                                          on="host" if emulated else "compute")
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
+            cap, first = ddp_caps_of(r)
             try:
                 pred = predict_iteration_time(use, spec, workers=workers, network=shared, plan=plan,
-                                              bucket_mb=bucket_mb_of(r))
+                                              bucket_mb=cap, first_bucket_mb=first)
             except UsageError as e:  # a plan that does not fit the profile: the simulator plans
                 if plan is None:
                     raise
                 r["prediction_note"] = f"the run's plan was not replayed: {e}"
                 pred = predict_iteration_time(use, spec, workers=workers, network=shared,
-                                              bucket_mb=bucket_mb_of(r))
+                                              bucket_mb=cap, first_bucket_mb=first)
         except UsageError as e:
             r["predicted_iter_time_s"] = None
             r["prediction_note"] = str(e)

@@ -47,6 +47,10 @@ from lowcomm.errors import UsageError
 if TYPE_CHECKING:
     from lowcomm.runtime.config import TrainConfig
 
+MIB = 1024 * 1024
+#: DDP's default bucket cap in MiB (``DistributedDataParallel`` without ``bucket_cap_mb``)
+DDP_BUCKET_MB = 25.0
+
 
 @dataclass
 class MethodContext:
@@ -58,7 +62,10 @@ class MethodContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     process_group: dist.ProcessGroup | None = None
     seed: int = 0
-    bucket_cap_mb: float = 25.0
+    #: DDP's bucket cap in MiB; None: DDP's own defaults (25 MiB buckets after a first bucket,
+    #: in backward order, that closes at 1 MiB). torch 2.13's DDP closes the first bucket at
+    #: the cap as soon as a cap is given, so passing 25 is not the same as passing nothing.
+    bucket_cap_mb: float | None = None
     #: the optimizer's momentum moved into the codec (momentum correction, see
     #: :class:`OptimizerOverride` ``moves``); 0.0: none moved, the codec keeps no velocity
     codec_momentum: float = 0.0
@@ -143,7 +150,7 @@ class Method:
             model,
             device_ids=device_ids,
             process_group=ctx.process_group,
-            bucket_cap_mb=ctx.bucket_cap_mb,
+            bucket_cap_mb=ctx.bucket_cap_mb,  # None: DDP's defaults
         )
         self.register_hook(ddp)
         self.ddp = ddp
@@ -231,11 +238,24 @@ class Method:
 
     def describe(self) -> dict[str, Any]:
         """The method and its options, for the training summary (``method_info``); with DDP,
-        the bucket cap it ran with (a simulator replaying the run needs the same buckets)."""
+        the bucket caps it ran with (a simulator replaying the run needs the same buckets)."""
         out: dict[str, Any] = {"method": self.name, "options": dataclasses.asdict(self.options)}
-        if isinstance(self.ddp, nn.parallel.DistributedDataParallel) and self.ctx is not None:
-            out["bucket_cap_mb"] = self.ctx.bucket_cap_mb
+        if isinstance(self.ddp, nn.parallel.DistributedDataParallel):
+            out["bucket_cap_mb"], out["first_bucket_mb"] = ddp_bucket_caps_mb(self.ddp)
         return out
+
+
+def ddp_bucket_caps_mb(ddp: nn.parallel.DistributedDataParallel) -> tuple[float, float]:
+    """(bucket cap, first bucket's cap) in MiB, as this DDP instance fills its buckets.
+
+    Read from the instance, not inferred from the arguments: torch 2.13 closes the first
+    bucket (backward order) at 1 MiB only when no cap was given, and at the cap otherwise;
+    earlier releases always closed it at 1 MiB.
+    """
+    cap = int(ddp.bucket_bytes_cap)
+    config = getattr(ddp, "_bucket_config", None)
+    first = int(getattr(config, "first_bucket_bytes_cap", 0) or MIB)  # before 2.13: always 1 MiB
+    return cap / MIB, min(first, cap) / MIB
 
 
 def _convert(value: str, annotation: Any, key: str, method: str) -> Any:

@@ -43,7 +43,7 @@ from torch import nn
 from lowcomm.comm import accounting
 from lowcomm.errors import UsageError
 from lowcomm.methods import register
-from lowcomm.methods.base import Method, MethodContext
+from lowcomm.methods.base import DDP_BUCKET_MB, Method, MethodContext
 from lowcomm.runtime import timing
 
 
@@ -160,7 +160,7 @@ class TorchPowerSGD(Method):
         One bucket keeps a single chain of collectives, identical on every rank.
         """
         if accounting.device_backend(ctx.process_group, ctx.device) == "gloo":
-            ctx = dataclasses.replace(ctx, bucket_cap_mb=max(ctx.bucket_cap_mb, 1e5))
+            ctx = dataclasses.replace(ctx, bucket_cap_mb=max(ctx.bucket_cap_mb or DDP_BUCKET_MB, 1e5))
         return super().wrap(model, ctx)
 
     def register_hook(self, ddp: nn.parallel.DistributedDataParallel) -> None:

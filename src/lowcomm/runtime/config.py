@@ -65,7 +65,8 @@ class TrainConfig:
     device: str = "auto"
     #: ``real`` or ``emulated:PROFILE|NAME|scale=K`` (lowcomm.runtime.emulated: layers wait instead of computing)
     compute: str = "real"
-    bucket_cap_mb: float = 25.0
+    #: DDP's bucket cap in MiB; None: DDP's defaults (25 MiB, the first bucket 1 MiB)
+    bucket_cap_mb: float | None = None
     eval: bool = True
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None  # steps
@@ -113,7 +114,8 @@ class TrainConfig:
         for m in self.milestones:
             check_positive("--milestones (fractions of training <= 1, or epochs)", m)
         check_count("--step-size-epochs", self.step_size_epochs)
-        check_positive("--bucket-cap-mb", self.bucket_cap_mb)
+        if self.bucket_cap_mb is not None:
+            check_positive("--bucket-cap-mb", self.bucket_cap_mb)
         if self.clip_grad is not None:
             check_positive("--clip-grad", self.clip_grad)
         if self.threads is not None:

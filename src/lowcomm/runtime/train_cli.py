@@ -96,7 +96,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: each layer's forward/backward waits a profile's time (a file from "
                         "`lowcomm profile`, a shipped name, or this machine's own profile divided by K); "
                         "parameters, gradients and communication stay real (docs/benchmarks.md)")
-    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb)
+    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb,
+                   help="DDP's bucket cap in MiB (default: DDP's own, 25 MiB after a 1 MiB first bucket; "
+                        "a given cap applies to the first bucket too, as in DDP)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation (timing runs)")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=None, help="also checkpoint every N steps")
