@@ -18,6 +18,7 @@ from lowcomm.bench.prediction import ddp_caps_of
 from lowcomm.methods.base import MethodContext
 from lowcomm.runtime.config import TrainConfig
 from lowcomm.sim import LayerProfile, Link, NetworkModel, Profile
+from lowcomm.sim.predict import ddp_caps
 from lowcomm.sim.schedules.base import Sim, ddp_buckets
 from lowcomm.testing import distributed
 
@@ -51,6 +52,7 @@ def test_ssgds_rebuilt_buckets_are_the_simulators_for_the_caps_its_run_records(
         method.finish_sync()
     info = method.describe()
     assert (info["bucket_cap_mb"], info["first_bucket_mb"]) == recorded
+    assert ddp_caps(cap) == recorded  # `lowcomm simulate --bucket-mb` reads a cap as the trainer's DDP does
     sizes = dict(model.named_parameters())
     measured = [sum(sizes[name].numel() for name in bucket) for bucket in method.state_dict()["ddp_buckets"]]
     assert measured == _simulated(model, ddp_caps_of({"method_info": info}))

@@ -15,7 +15,7 @@ from typing import Any
 from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.errors import UsageError
 from lowcomm.sim.network import NetworkModel
-from lowcomm.sim.predict import Prediction, predict_iteration_time
+from lowcomm.sim.predict import Prediction, ddp_caps, predict_iteration_time
 from lowcomm.sim.profile import Profile
 from lowcomm.sim.schedules import SCHEDULES
 
@@ -127,7 +127,7 @@ def advised_spec(method: str) -> str:
 
 
 def advise(profile: Profile, *, workers: int, network: NetworkModel,
-           methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float = 25.0,
+           methods: tuple[str, ...] | list[str] | None = None, bucket_mb: float | None = None,
            semi_sync: bool = True) -> Advice:
     """Predict every applicable method and rank them by iteration time (fastest first).
 
@@ -137,6 +137,7 @@ def advise(profile: Profile, *, workers: int, network: NetworkModel,
     reported apart (:attr:`Advice.semi_synchronous`).
     """
     specs = [advised_spec(m) for m in (methods or candidates())]
+    cap, first = ddp_caps(bucket_mb)
     preds: list[Prediction] = []
     skipped: dict[str, str] = {}
     for m in specs:
@@ -144,14 +145,14 @@ def advise(profile: Profile, *, workers: int, network: NetworkModel,
             skipped[m] = "profile has no factorized model"
             continue
         preds.append(predict_iteration_time(profile, m, workers=workers, network=network,
-                                            bucket_mb=bucket_mb))
+                                            bucket_mb=cap, first_bucket_mb=first))
     baseline = next((p for p in preds if p.method == "ssgd"), None) or predict_iteration_time(
-        profile, "ssgd", workers=workers, network=network, bucket_mb=bucket_mb)
+        profile, "ssgd", workers=workers, network=network, bucket_mb=cap, first_bucket_mb=first)
     preds.sort(key=lambda p: p.iter_time_s)
     adv = Advice(workers=workers, network=network.describe(), ranking=preds, baseline=baseline,
                  skipped=skipped)
     if any(p.method.startswith("lee18") for p in preds):
-        adv.fc = model_parallel_fc(profile, workers=workers, network=network, bucket_mb=bucket_mb)
+        adv.fc = model_parallel_fc(profile, workers=workers, network=network, bucket_mb=cap)
     if semi_sync:
         adv.semi_synchronous = _semi_synchronous(profile, adv, workers=workers, network=network)
     return adv

@@ -26,7 +26,7 @@ from lowcomm.errors import UsageError, check_count, check_positive
 from lowcomm.methods import split_list
 from lowcomm.sim.advise import advise, candidates, caveat
 from lowcomm.sim.network import INTRA_PRESETS, NetworkModel, parse_intra, parse_network
-from lowcomm.sim.predict import Prediction, predict_iteration_time
+from lowcomm.sim.predict import Prediction, ddp_caps, predict_iteration_time
 from lowcomm.sim.schedules import make_schedule
 from lowcomm.sim.profile import Profile, load_profile
 
@@ -158,13 +158,19 @@ def two_level_network(net_spec: str, intra_spec: str, gpus_per_node: int) -> Net
                                   name=f"{net_spec} between nodes, {intra_spec} inside ({gpus_per_node}/node)")
 
 
+BUCKET_HELP = ("DDP's bucket cap in MB, as `lowcomm train --bucket-cap-mb` (default: DDP's own, 25 MB after "
+               "a 1 MB first bucket; a cap given applies to the first bucket too)")
+
+
 def simulate_table(prof: Profile, methods: list[str], workers: list[int],
-                   net_spec: str | NetworkModel, *, bucket_mb: float = 25.0) -> dict[str, Any]:
-    """Every method at every worker count, with speed-up and scaling efficiency (JSON-ready)."""
+                   net_spec: str | NetworkModel, *, bucket_mb: float | None = None) -> dict[str, Any]:
+    """Every method at every worker count, with speed-up and scaling efficiency (JSON-ready);
+    ``bucket_mb`` as :func:`~lowcomm.sim.predict.ddp_caps` reads it."""
     net = parse_network(net_spec) if isinstance(net_spec, str) else net_spec
+    cap, first = ddp_caps(bucket_mb)
 
     def predict(method: str, p: int) -> Prediction:
-        return predict_iteration_time(prof, method, workers=p, network=net, bucket_mb=bucket_mb)
+        return predict_iteration_time(prof, method, workers=p, network=net, bucket_mb=cap, first_bucket_mb=first)
 
     single = predict("ssgd", 1).iter_time_s
     rows = []
@@ -228,7 +234,8 @@ def default_methods(prof: Profile) -> list[str]:
 def run_simulate(args: argparse.Namespace) -> int:
     """``lowcomm simulate``: predict every method at every worker count."""
     prof = load_profile(args.profile)
-    check_positive("--bucket-mb", args.bucket_mb)
+    if args.bucket_mb is not None:
+        check_positive("--bucket-mb", args.bucket_mb)
     workers = parse_workers(args.workers)
     net: str | NetworkModel = args.net
     if args.nodes is not None or args.gpus_per_node is not None:
@@ -260,7 +267,8 @@ def run_advise(args: argparse.Namespace) -> int:
     """``lowcomm advise``: rank the candidates at one scale and recommend one."""
     # Cheap checks first: a bad --workers must not cost a local profiling run.
     check_count("--workers", args.workers, maximum=MAX_WORKERS)
-    check_positive("--bucket-mb", args.bucket_mb)
+    if args.bucket_mb is not None:
+        check_positive("--bucket-mb", args.bucket_mb)
     net = parse_network(args.net)
     methods = split_methods(args.methods) if args.methods is not None else candidates()
     if args.profile:
@@ -329,7 +337,7 @@ def register(sub: Any) -> None:
                    help=f"link inside a node with --nodes: {', '.join(INTRA_PRESETS)}, a network preset "
                         "or a RATE (default nvlink)")
     s.add_argument("--methods", default=None, help="comma-separated method specs (default: all)")
-    s.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (MB)")
+    s.add_argument("--bucket-mb", type=float, default=None, help=BUCKET_HELP)
     s.add_argument("--json", default=None)
     s.add_argument("--plot", default=None, help="PNG of speed-up vs workers")
     s.set_defaults(func=run_simulate)
@@ -344,6 +352,6 @@ def register(sub: Any) -> None:
     a.add_argument("--batch-size", type=int, default=32)
     a.add_argument("--device", default="cpu")
     a.add_argument("--methods", default=None, help="restrict to these methods")
-    a.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap (MB)")
+    a.add_argument("--bucket-mb", type=float, default=None, help=BUCKET_HELP)
     a.add_argument("--json", default=None)
     a.set_defaults(func=run_advise)

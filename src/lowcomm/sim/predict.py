@@ -52,6 +52,13 @@ class Prediction:
         }
 
 
+def ddp_caps(bucket_mb: float | None) -> tuple[float, float]:
+    """(bucket cap, first bucket's cap) in MB of DDP given ``bucket_mb`` (None: given no cap),
+    as ``lowcomm train --bucket-cap-mb`` passes it on: torch 2.13's DDP closes its first bucket
+    at 1 MiB under its own default only, and at the cap when one is given."""
+    return (25.0, 1.0) if bucket_mb is None else (bucket_mb, bucket_mb)
+
+
 def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,
              iterations: int = ITERATIONS, bucket_mb: float = 25.0,
              first_bucket_mb: float = 1.0, plan: list[int] | None = None) -> tuple[Sim, Schedule]:
