@@ -37,7 +37,7 @@ from typing import Any
 
 from lowcomm.errors import UsageError
 from lowcomm.methods import split_spec
-from lowcomm.methods.base import split_top_level
+from lowcomm.methods.base import DDP_BUCKET_MB, split_top_level
 
 
 def measure(*, model: str, batch_size: int, input_shape: str | None, threads: int | None,
@@ -133,7 +133,7 @@ def ddp_caps_of(row: dict[str, Any]) -> tuple[float, float]:
     could not. A run that predates ``first_bucket_mb`` (2026-12-02) gave DDP its cap (25 MB
     when not reported), and torch 2.13's DDP then closes the first bucket at the cap too."""
     info = row.get("method_info") or {}
-    cap = float(info.get("bucket_cap_mb") or 25.0)
+    cap = float(info.get("bucket_cap_mb") or DDP_BUCKET_MB)
     return cap, float(info.get("first_bucket_mb") or cap)
 
 

@@ -48,8 +48,10 @@ if TYPE_CHECKING:
     from lowcomm.runtime.config import TrainConfig
 
 MIB = 1024 * 1024
-#: DDP's default bucket cap in MiB (``DistributedDataParallel`` without ``bucket_cap_mb``)
+#: DDP's default bucket caps in MiB (``DistributedDataParallel`` without ``bucket_cap_mb``): its
+#: buckets, and its first bucket in backward order
 DDP_BUCKET_MB = 25.0
+DDP_FIRST_BUCKET_MB = 1.0
 
 
 @dataclass
@@ -254,7 +256,7 @@ def ddp_bucket_caps_mb(ddp: nn.parallel.DistributedDataParallel) -> tuple[float,
     """
     cap = int(ddp.bucket_bytes_cap)
     config = getattr(ddp, "_bucket_config", None)
-    first = int(getattr(config, "first_bucket_bytes_cap", 0) or MIB)  # before 2.13: always 1 MiB
+    first = int(getattr(config, "first_bucket_bytes_cap", 0) or DDP_FIRST_BUCKET_MB * MIB)  # before 2.13: always
     return cap / MIB, min(first, cap) / MIB
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lowcomm.errors import UsageError, check_positive
+from lowcomm.methods.base import DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB
 from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.profile import Profile
 from lowcomm.sim.schedules import Schedule, Sim, make_schedule
@@ -56,7 +57,7 @@ def ddp_caps(bucket_mb: float | None) -> tuple[float, float]:
     """(bucket cap, first bucket's cap) in MB of DDP given ``bucket_mb`` (None: given no cap),
     as ``lowcomm train --bucket-cap-mb`` passes it on: torch 2.13's DDP closes its first bucket
     at 1 MiB under its own default only, and at the cap when one is given."""
-    return (25.0, 1.0) if bucket_mb is None else (bucket_mb, bucket_mb)
+    return (DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB) if bucket_mb is None else (bucket_mb, bucket_mb)
 
 
 def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,
