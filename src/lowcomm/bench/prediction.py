@@ -131,10 +131,12 @@ def ddp_caps_of(row: dict[str, Any]) -> tuple[float, float]:
     ``(bucket_mb, first_bucket_mb)``: ``torch_powersgd`` runs one bucket on gloo, and a
     simulator with 25 MB buckets would overlap its factors' rounds with backward where the run
     could not. A run that predates ``first_bucket_mb`` (2026-12-02) gave DDP its cap (25 MB
-    when not reported), and torch 2.13's DDP then closes the first bucket at the cap too."""
+    when not reported), which DDP then applies to the first bucket too (:func:`ddp_caps`)."""
+    from lowcomm.sim.predict import ddp_caps
+
     info = row.get("method_info") or {}
     cap = float(info.get("bucket_cap_mb") or DDP_BUCKET_MB)
-    return cap, float(info.get("first_bucket_mb") or cap)
+    return cap, float(info.get("first_bucket_mb") or ddp_caps(cap)[1])
 
 
 def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, Any], *,

@@ -14,6 +14,7 @@ from typing import Any
 
 from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.errors import UsageError
+from lowcomm.methods.base import DDP_BUCKET_MB
 from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.predict import Prediction, ddp_caps, predict_iteration_time
 from lowcomm.sim.profile import Profile
@@ -174,7 +175,7 @@ def _semi_synchronous(profile: Profile, adv: Advice, *, workers: int, network: N
 
 
 def model_parallel_fc(profile: Profile, *, workers: int, network: NetworkModel,
-                      bucket_mb: float = 25.0) -> dict[str, Any] | None:
+                      bucket_mb: float = DDP_BUCKET_MB) -> dict[str, Any] | None:
     """When Lee et al.'s model-parallel FC layers win: lee18 with every evenly splittable
     Linear model-parallel against all data-parallel, and the layers ``fc=auto`` picks at the
     profile's batch. None when the profile has no such layer. Model parallelism moves

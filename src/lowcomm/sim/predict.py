@@ -61,8 +61,8 @@ def ddp_caps(bucket_mb: float | None) -> tuple[float, float]:
 
 
 def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,
-             iterations: int = ITERATIONS, bucket_mb: float = 25.0,
-             first_bucket_mb: float = 1.0, plan: list[int] | None = None) -> tuple[Sim, Schedule]:
+             iterations: int = ITERATIONS, bucket_mb: float = DDP_BUCKET_MB,
+             first_bucket_mb: float = DDP_FIRST_BUCKET_MB, plan: list[int] | None = None) -> tuple[Sim, Schedule]:
     """Run the schedule; return the simulation (timeline inside) and the schedule object.
 
     ``plan``: layers per group (forward order) that a run's planner chose, replayed instead of
@@ -85,8 +85,8 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
 
 
 def predict_iteration_time(profile: Profile, method_spec: str, *, workers: int,
-                           network: NetworkModel, bucket_mb: float = 25.0,
-                           first_bucket_mb: float = 1.0, plan: list[int] | None = None) -> Prediction:
+                           network: NetworkModel, bucket_mb: float = DDP_BUCKET_MB,
+                           first_bucket_mb: float = DDP_FIRST_BUCKET_MB, plan: list[int] | None = None) -> Prediction:
     """Predicted steady-state iteration time of ``method_spec`` on ``workers`` workers.
 
     ``method_spec`` is a ``--method`` string (``"acpsgd:rank=4"``); its options are parsed by

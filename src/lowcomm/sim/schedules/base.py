@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lowcomm.compress.codec import Work
 from lowcomm.errors import check_positive
+from lowcomm.methods.base import DDP_BUCKET_MB, DDP_FIRST_BUCKET_MB
 from lowcomm.sim.network import NetworkModel
 from lowcomm.sim.profile import Profile
 from lowcomm.sim.timeline import Task, Timeline
@@ -74,7 +75,7 @@ class Sim:
     """Shared state of one simulation run: the profile, P, network, timeline, priced kernels."""
 
     def __init__(self, profile: Profile, workers: int, network: NetworkModel, *,
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0, optimizer_s: float | None = None) -> None:
+                 bucket_mb: float = DDP_BUCKET_MB, first_bucket_mb: float = DDP_FIRST_BUCKET_MB, optimizer_s: float | None = None) -> None:
         check_positive("bucket_mb", bucket_mb)
         check_positive("first_bucket_mb", first_bucket_mb)
         self.bucket_bytes = bucket_mb * MIB
