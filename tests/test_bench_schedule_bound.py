@@ -93,3 +93,18 @@ def test_a_model_axis_method_takes_its_compute_from_its_own_reference_row() -> N
     rows = _rows(pufferfish={"compute_reference": ref})
     add_schedule_bounds(rows, prof, GBIT, workers=2)
     assert rows[1]["schedule_bound_s"] is None and "did not run" in rows[1]["schedule_bound_note"]
+
+
+def test_an_old_row_is_bounded_with_the_grouping_it_ran_not_todays_defaults() -> None:
+    """A ``dear`` run recorded before the 1 MB first group existed ran one fused group; its
+    bound replays that (``method_info``), as its prediction does, not today's first group."""
+    layers = [LayerProfile(f"l{i}", 0.01, 0.02, [[1000, 1000]]) for i in range(3)]
+    prof = Profile(model="toy3", batch_size=8, optimizer_s=0.0, layers=layers)
+    old = {"method_info": {"method": "dear", "options": {"threshold_mb": 25.0}}, "spec_run": "dear"}
+    rows = [*_rows(), {"method": "dear", "status": "ok", "iter_time_s_median": 0.3, **old},
+            {"method": "dear", "status": "ok", "iter_time_s_median": 0.3, "spec_run": "dear:first_group_mb=0"},
+            {"method": "dear", "status": "ok", "iter_time_s_median": 0.3, "spec_run": "dear"}]
+    add_schedule_bounds(rows, prof, GBIT, workers=4)
+    as_ran, explicit, today = (r["schedule_bound_s"] for r in rows[1:])
+    assert as_ran == pytest.approx(explicit)
+    assert today != pytest.approx(as_ran)  # the 1 MB first group is a different schedule

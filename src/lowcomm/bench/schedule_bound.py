@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowcomm.bench.prediction import ddp_caps_of
+from lowcomm.bench.prediction import ddp_caps_of, spec_as_run
 from lowcomm.errors import UsageError
 
 
@@ -92,7 +92,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
                 own = predict_iteration_time(profile, ref, workers=workers, network=net).iter_time_s
                 profiles[ref] = scale_compression(scale_profile(profile, measured[ref] / own), 0.0)
             cap, first = ddp_caps_of(r)
-            sim = predict_iteration_time(profiles[ref], r.get("spec_run") or r["method"], workers=workers, network=net,
+            sim = predict_iteration_time(profiles[ref], spec_as_run(r), workers=workers, network=net,
                                          bucket_mb=cap, first_bucket_mb=first)
         except UsageError as e:
             r["schedule_bound_note"] = str(e)
