@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lowcomm.comm import accounting
+from lowcomm.comm.backends import device_backend
 from lowcomm.optim.sharded import FlatShard, ShardedOptimizer, hyperparameters, step_subset
 from lowcomm.runtime import timing
 from lowcomm.sched.groups import Group
@@ -42,6 +43,31 @@ if TYPE_CHECKING:
 #: iteration, ``dear`` unchanged at its 25 MB groups; all at once: ``dear`` 1.31 -> 1.54 s.
 #: On NCCL the gathers run in order on one stream either way.
 AHEAD_BYTES = 32 << 20
+
+#: On gloo, a group's all-gather larger than this travels as all-gathers of pieces this size
+#: (gathered: each rank's part is this over the world size),
+#: queued in forward order. Why: gloo runs two collectives at once, so two large groups in the
+#: window share the link and group g+1, which the forward needs first, arrives as late as
+#: g+2; and one large gloo all-gather alone reaches 88 % of the link (its ring steps are not
+#: pipelined). In pieces, the two running at once are the head of the queue. Traced on 4
+#: emulated workers at 1 Gbit/s, ResNet-50, ``dear``'s 27 and 30 MB groups (docs/benchmarks.md,
+#: "dear's large groups, traced"). NCCL runs its gathers in order on one stream: not split.
+AG_PIECE_BYTES = 8 << 20
+
+
+class _Pieces:
+    """The works of one group's all-gather in pieces: done when every piece is."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 class Deferred:
@@ -91,7 +117,20 @@ class Deferred:
             g.flat.copy_(src)
             g.ag_work = True
             return
-        g.ag_work = accounting.all_gather_into_tensor(g.flat, src, group=e.pg, async_op=True, tag=f"{e.tag}.ag")
+        g.ag_work = self._gather(g, src)
+
+    def _gather(self, g: Group, src: torch.Tensor) -> Any:
+        """Start all-gathering every rank's ``src`` into ``g.flat``: in pieces of
+        :data:`AG_PIECE_BYTES` on gloo, in one collective otherwise."""
+        e = self.engine
+        n, tag = src.numel(), f"{e.tag}.ag"
+        world = g.flat.numel() // n
+        piece = max(1, AG_PIECE_BYTES // (world * src.element_size()))  # elements per rank
+        if n <= piece or src.device.type != "cpu" or device_backend(e.pg, src.device) != "gloo":
+            return accounting.all_gather_into_tensor(g.flat, src, group=e.pg, async_op=True, tag=tag)
+        return _Pieces([accounting.all_gather([g.flat[r * n + a:r * n + min(a + piece, n)] for r in range(world)],
+                                              src[a:a + piece], group=e.pg, async_op=True, tag=tag)
+                        for a in range(0, n, piece)])
 
     def ensure_ready(self, gi: int) -> None:
         """Make group ``gi``'s parameters current; start the pending all-gathers after it, up to
