@@ -45,13 +45,13 @@ if TYPE_CHECKING:
 AHEAD_BYTES = 32 << 20
 
 #: On gloo, a group's all-gather larger than this travels as all-gathers of pieces this size
-#: (gathered: each rank's part is this over the world size),
-#: queued in forward order. Why: gloo runs two collectives at once, so two large groups in the
-#: window share the link and group g+1, which the forward needs first, arrives as late as
-#: g+2; and one large gloo all-gather alone reaches 88 % of the link (its ring steps are not
-#: pipelined). In pieces, the two running at once are the head of the queue. Traced on 4
-#: emulated workers at 1 Gbit/s, ResNet-50, ``dear``'s 27 and 30 MB groups (docs/benchmarks.md,
-#: "dear's large groups, traced"). NCCL runs its gathers in order on one stream: not split.
+#: (gathered bytes; each rank sends this over the world size), queued in forward order. Why:
+#: gloo runs two collectives at once, so two large groups in the window share the link and
+#: group g+1, which the forward needs first, arrives as late as g+2; and one large gloo
+#: all-gather alone fills 88 % of the link. In pieces, the two running at once are the head of
+#: the queue. Traced on 4 emulated workers at 1 Gbit/s, ResNet-50, ``dear``'s 27 and 30 MB
+#: groups (docs/benchmarks.md, "dear's large groups, traced"). NCCL runs its gathers in order
+#: on one stream: not split.
 AG_PIECE_BYTES = 8 << 20
 
 
