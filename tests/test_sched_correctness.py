@@ -186,19 +186,18 @@ def compare_with_gathers_in_pieces(spec: str, piece_bytes: int, steps: int) -> d
     """:func:`compare_with_ddp` with the deferred all-gathers split into ``piece_bytes`` pieces."""
     from lowcomm.sched import deferred
 
-    deferred.AG_PIECE_BYTES = piece_bytes  # this rank's process only
-    pieces = []
-    whole = accounting.all_gather
+    pieces: list[int] = []
+    whole, size = accounting.all_gather, deferred.AG_PIECE_BYTES
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         pieces.append(args[1].numel())
         return whole(*args, **kwargs)
 
-    accounting.all_gather = counted
+    accounting.all_gather, deferred.AG_PIECE_BYTES = counted, piece_bytes
     try:
         out = compare_with_ddp(spec, "sgd", steps, False, None)
     finally:
-        accounting.all_gather = whole
+        accounting.all_gather, deferred.AG_PIECE_BYTES = whole, size
     return {**out, "pieces": pieces}
 
 

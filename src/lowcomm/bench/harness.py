@@ -125,16 +125,18 @@ def _collectives(cfg: BenchConfig, cluster: netns.Cluster | None, bits_per_s: fl
 
 def _run_round(cfg: BenchConfig, order: list[str], *, work: Path, tag: str, row_fields: dict[str, Any],
                cluster: netns.Cluster | None, launcher: Launcher | None, say: Callable[[str], None],
-               round_no: int) -> list[dict[str, Any]]:
+               round_no: int, references: frozenset[str] = frozenset({"nocomm"})) -> list[dict[str, Any]]:
     """Run ``order`` once on one network: one row per method, each given ``row_fields`` (a second
-    ``nocomm`` run replaces the first when faster, both times kept in ``nocomm_runs_s``).
-    ``round_no`` (1-based) names the round in the logs when the bench runs several."""
+    run of a compute reference in ``references`` replaces the first when faster, both times kept
+    in ``nocomm_runs_s``, or ``compute_runs_s`` for a model-axis reference such as
+    ``pufferfish:then=nocomm``). ``round_no`` (1-based) names the round in the logs when the
+    bench runs several."""
     rows: list[dict[str, Any]] = []
     several = cfg.repeat > 1
     suffix = f"-r{round_no}" if several else ""
     for k, m in enumerate(order):
         say(f"  running {m} on {cfg.nproc} workers" + (f" (round {round_no} of {cfg.repeat})" if several else "") + " ...")
-        again = m == "nocomm" and k > 0 and "nocomm" in order[:k]
+        again = m in references and m in order[:k]
         run_tag = f"{tag}-{re.sub(r'[^A-Za-z0-9_.=-]', '_', m)}" + ("-again" if again else "") + suffix
         try:
             row = run_method(cfg, m, work=work, tag=run_tag, cluster=cluster, launcher=launcher)
@@ -146,12 +148,12 @@ def _run_round(cfg: BenchConfig, order: list[str], *, work: Path, tag: str, row_
         say(f"    {m}: " + (f"{row['iter_time_s_median']:.3g} s/iter" if row["status"] == "ok"
                              else f"FAILED ({row['reason']})"))
         if again:
-            first = next(r for r in rows if r["method"] == "nocomm")
+            first = next(r for r in rows if r["method"] == m)
             times = [r["iter_time_s_median"] for r in (first, row) if r["status"] == "ok"]
             if row["status"] == "ok" and (first["status"] != "ok" or row["iter_time_s_median"] < first["iter_time_s_median"]):
                 rows[rows.index(first)] = row
                 first = row
-            first["nocomm_runs_s"] = times
+            first["nocomm_runs_s" if m == "nocomm" else "compute_runs_s"] = times
             continue
         rows.append(row)
     return rows
@@ -294,10 +296,15 @@ def run_bench(
                         # with rounds, each round's nocomm run is one more such measurement
                         order.append("nocomm")
                 if cfg.compute_only and not cfg.tta:  # model-axis methods: their own model, no communication
-                    order[1:1] = [r for r in dict.fromkeys(references.values()) if r != "nocomm" and r not in order]
+                    own = [r for r in dict.fromkeys(references.values()) if r != "nocomm" and r not in order]
+                    order[1:1] = own
+                    if order.count("nocomm") == 2:  # measured again after the methods, as nocomm
+                        order.extend(own)
                 fields = {"net": spec.requested, "compute": result["compute"]}
                 rounds = [_run_round(cfg, order, work=work, tag=f"net{n_idx}", row_fields=fields, cluster=cluster,
-                                     launcher=launcher, say=say, round_no=i + 1) for i in range(cfg.repeat)]
+                                     launcher=launcher, say=say, round_no=i + 1,
+                                     references=frozenset({"nocomm", *references.values()}))
+                          for i in range(cfg.repeat)]
                 rows = rounds[0] if cfg.repeat == 1 else repeats.combine_rounds(
                     rounds, references={"nocomm", *references.values()})
                 compute_only = next((r["iter_time_s_median"] for r in rows
