@@ -301,12 +301,11 @@ def run_bench(
                     if order.count("nocomm") == 2:  # measured again after the methods, as nocomm
                         order.extend(own)
                 fields = {"net": spec.requested, "compute": result["compute"]}
+                compute_refs = frozenset({"nocomm", *references.values()})
                 rounds = [_run_round(cfg, order, work=work, tag=f"net{n_idx}", row_fields=fields, cluster=cluster,
-                                     launcher=launcher, say=say, round_no=i + 1,
-                                     references=frozenset({"nocomm", *references.values()}))
+                                     launcher=launcher, say=say, round_no=i + 1, references=compute_refs)
                           for i in range(cfg.repeat)]
-                rows = rounds[0] if cfg.repeat == 1 else repeats.combine_rounds(
-                    rounds, references={"nocomm", *references.values()})
+                rows = rounds[0] if cfg.repeat == 1 else repeats.combine_rounds(rounds, references=set(compute_refs))
                 compute_only = next((r["iter_time_s_median"] for r in rows
                                      if r["method"] == "nocomm" and r["status"] == "ok"), None)
                 ssgd = next((r for r in rows if r["method"] == "ssgd" and r["status"] == "ok"), None)
