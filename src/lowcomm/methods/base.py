@@ -256,7 +256,7 @@ def ddp_bucket_caps_mb(ddp: nn.parallel.DistributedDataParallel) -> tuple[float,
     """
     cap = int(ddp.bucket_bytes_cap)
     config = getattr(ddp, "_bucket_config", None)
-    first = int(getattr(config, "first_bucket_bytes_cap", 0) or DDP_FIRST_BUCKET_MB * MIB)  # before 2.13: always
+    first = int(getattr(config, "first_bucket_bytes_cap", 0) or DDP_FIRST_BUCKET_MB * MIB)  # before 2.13: always that
     return cap / MIB, min(first, cap) / MIB
 
 

@@ -55,21 +55,6 @@ AHEAD_BYTES = 32 << 20
 AG_PIECE_BYTES = 8 << 20
 
 
-class _Pieces:
-    """The works of one group's all-gather in pieces: done when every piece is."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-
 class Deferred:
     """Deferred all-gathers and updates of one sharded engine (see module doc)."""
 
@@ -128,9 +113,10 @@ class Deferred:
         piece = max(1, AG_PIECE_BYTES // (world * src.element_size()))  # elements per rank
         if n <= piece or src.device.type != "cpu" or device_backend(e.pg, src.device) != "gloo":
             return accounting.all_gather_into_tensor(g.flat, src, group=e.pg, async_op=True, tag=tag)
-        return _Pieces([accounting.all_gather([g.flat[r * n + a:r * n + min(a + piece, n)] for r in range(world)],
-                                              src[a:a + piece], group=e.pg, async_op=True, tag=tag)
-                        for a in range(0, n, piece)])
+        works = [accounting.all_gather([g.flat[r * n + a:r * n + min(a + piece, n)] for r in range(world)],
+                                       src[a:a + piece], group=e.pg, async_op=True, tag=tag)
+                 for a in range(0, n, piece)]
+        return torch.futures.collect_all([w.get_future() for w in works])  # waits for every piece
 
     def ensure_ready(self, gi: int) -> None:
         """Make group ``gi``'s parameters current; start the pending all-gathers after it, up to
