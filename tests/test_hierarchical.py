@@ -23,8 +23,6 @@ from lowcomm import hooks, methods
 from lowcomm.cli import main
 from lowcomm.comm import accounting
 from lowcomm.comm.hierarchical import (
-    Handle,
-    HierarchicalReducer,
     LinkCosts,
     choose,
     flat_time,
@@ -253,20 +251,6 @@ def _refused() -> str:
     except UsageError as e:
         return str(e)
     return "not refused"
-
-
-def test_reducer_runs_jobs_in_order_and_hands_failures_to_the_caller() -> None:
-    reducer = HierarchicalReducer(Topology(1, 1, 0))  # no process group: no groups are made
-    done: list[int] = []
-    handles = [Handle(torch.zeros(1)) for _ in range(3)]
-    for i, h in enumerate(handles[:2]):
-        reducer._submit(lambda i=i: done.append(i), h)  # type: ignore[misc]
-    reducer._submit(lambda: [][0], handles[2])
-    handles[1].wait()
-    assert done == [0, 1] and handles[0].is_completed()
-    with pytest.raises(IndexError):
-        handles[2].wait()
-    reducer.close()
 
 
 # --- lowcomm train --gpus-per-node ---------------------------------------------------------------

@@ -81,6 +81,32 @@ def test_powersgd_blocking_p_all_reduce_stalls_backward_but_acpsgd_does_not() ->
     assert acp.find("ar.b0", 2).overlaps(acp.find("bwd.0", 2))
 
 
+@pytest.mark.parametrize("method, first_round, stall_ends", [("powersgd", "ar1.b0", "after.ar1.b0"),
+                                                            ("gtopk", "x1.b0", "dec.b0")])
+def test_rounds_beside_backward_leave_it_unstalled_and_run_in_bucket_order(method: str, first_round: str,
+                                                                           stall_ends: str) -> None:
+    prof = two_layers()
+    kw = dict(workers=4, network=NET, bucket_mb=1)
+    stalled = simulate(prof, method, rounds_beside=False, **kw)[0].tl
+    beside = simulate(prof, method, rounds_beside=True, **kw)[0].tl
+    assert stalled.find("bwd.0", 2).start == pytest.approx(stalled.find(stall_ends, 2).end)
+    # on the rounds' own thread: layer a's backward follows bucket 0's encode at once, beside
+    # the rounds; their work is on the comm chain, done before bucket 1's first collective
+    assert beside.find("bwd.0", 2).start == pytest.approx(beside.find("enc.b0", 2).end)
+    assert beside.find(first_round, 2).overlaps(beside.find("bwd.0", 2))
+    assert beside.find(stall_ends, 2).stream == "comm"
+    of_b1 = [t for t in beside.tasks if t.iteration == 2 and t.stream == "comm" and t.name.endswith(".b1")]
+    assert min(t.start for t in of_b1) >= beside.find("dec.b0", 2).end - 1e-12
+    assert beside.end_of(3) - beside.end_of(2) < stalled.end_of(3) - stalled.end_of(2)
+
+
+def test_rounds_beside_defaults_to_a_cpu_profile_only() -> None:
+    cpu, gpu = two_layers(), two_layers()
+    cpu.device, gpu.device = "cpu", "cuda"
+    kw = dict(workers=4, network=NET, bucket_mb=1)
+    assert simulate(cpu, "gtopk", **kw)[0].rounds_beside and not simulate(gpu, "gtopk", **kw)[0].rounds_beside
+
+
 def test_acpsgd_sends_one_factor_per_step_alternating_p_and_q() -> None:
     p, r = 4, 4
     prof = one_layer([2048, 512])

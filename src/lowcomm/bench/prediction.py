@@ -126,6 +126,13 @@ def spec_as_run(row: dict[str, Any]) -> str:
     return spec + ("," if ":" in spec else ":") + ",".join(extra)
 
 
+def rounds_beside_of(row: dict[str, Any]) -> bool:
+    """Whether a row's DDP hook ran its codec's rounds on a thread of their own, beside backward
+    (``method_info["codec_rounds"] == "thread"``: real compute on CPU workers since 2026-12-02's
+    third session); a row without the key ran them in the hook, stalling backward."""
+    return (row.get("method_info") or {}).get("codec_rounds") == "thread"
+
+
 def ddp_caps_of(row: dict[str, Any]) -> tuple[float, float]:
     """The DDP bucket caps a row's run used (``method_info``), as the simulator's
     ``(bucket_mb, first_bucket_mb)``: ``torch_powersgd`` runs one bucket on gloo, and a
@@ -198,15 +205,16 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
             cap, first = ddp_caps_of(r)
+            beside = rounds_beside_of(r)
             try:
                 pred = predict_iteration_time(use, spec, workers=workers, network=shared, plan=plan,
-                                              bucket_mb=cap, first_bucket_mb=first)
+                                              bucket_mb=cap, first_bucket_mb=first, rounds_beside=beside)
             except UsageError as e:  # a plan that does not fit the profile: the simulator plans
                 if plan is None:
                     raise
                 r["prediction_note"] = f"the run's plan was not replayed: {e}"
                 pred = predict_iteration_time(use, spec, workers=workers, network=shared,
-                                              bucket_mb=cap, first_bucket_mb=first)
+                                              bucket_mb=cap, first_bucket_mb=first, rounds_beside=beside)
         except UsageError as e:
             r["predicted_iter_time_s"] = None
             r["prediction_note"] = str(e)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowcomm.bench.prediction import ddp_caps_of, spec_as_run
+from lowcomm.bench.prediction import ddp_caps_of, rounds_beside_of, spec_as_run
 from lowcomm.errors import UsageError
 
 
@@ -93,7 +93,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
                 profiles[ref] = scale_compression(scale_profile(profile, measured[ref] / own), 0.0)
             cap, first = ddp_caps_of(r)
             sim = predict_iteration_time(profiles[ref], spec_as_run(r), workers=workers, network=net,
-                                         bucket_mb=cap, first_bucket_mb=first)
+                                         bucket_mb=cap, first_bucket_mb=first, rounds_beside=rounds_beside_of(r))
         except UsageError as e:
             r["schedule_bound_note"] = str(e)
             continue

@@ -45,15 +45,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import queue
-import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lowcomm.comm import accounting
+from lowcomm.comm.ordered import OrderedThread
 from lowcomm.comm.topology import NodeGroups, Topology, node_groups
 from lowcomm.errors import UsageError, check_positive
 from lowcomm.sched.cost import AlphaBeta, probe_alpha_beta
@@ -208,9 +207,9 @@ class Handle:
     """A submitted hierarchical all-reduce: :meth:`wait` blocks until the sum is in the buffer;
     :meth:`get_future` gives a ``torch.futures.Future`` of ``[buffer]`` (like a Work's)."""
 
-    def __init__(self, buf: torch.Tensor) -> None:
+    def __init__(self, buf: torch.Tensor, fut: torch.futures.Future[list[torch.Tensor]]) -> None:
         self.buf = buf
-        self._fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        self._fut = fut
 
     def wait(self) -> bool:
         """Block until done; re-raises what failed on the communication thread."""
@@ -245,9 +244,7 @@ class HierarchicalReducer:
         self.groups = node_groups(topo)  # collective: made here, on every rank, in one order
         self.pad_to = topo.local_size
         self.chosen: dict[int, str] = {}  # bytes -> choice (for describe())
-        self._queue: queue.Queue[tuple[Callable[[], None], Handle] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._thread: OrderedThread[list[torch.Tensor]] = OrderedThread("lowcomm-hier")
 
     def choice(self, nbytes: int) -> str:
         """``"hier"`` or ``"flat"`` for a buffer of ``nbytes`` (remembered for the summary)."""
@@ -260,47 +257,22 @@ class HierarchicalReducer:
         and ``get_future()`` (a torch Work for a flat choice, a :class:`Handle` otherwise)."""
         if self.choice(buf.numel() * buf.element_size()) == "flat":
             return accounting.all_reduce(buf, group=self.group, async_op=True, tag=tag)
-        handle = Handle(buf)
 
-        def job() -> None:
+        def job() -> list[torch.Tensor]:
             # a new thread starts on CUDA device 0: allocate the chunk on the buffer's device
             with torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext():
                 hierarchical_all_reduce(buf, self.topo, self.groups, tag=tag)
+            return [buf]
 
-        self._submit(job, handle)
-        return handle
+        return Handle(buf, self._thread.submit(job))
 
     def run(self, buf: torch.Tensor, *, tag: str) -> None:
         """Sum ``buf`` in place and wait (a codec's non-final message), in submission order."""
         self.start(buf, tag=tag).wait()
 
-    def _submit(self, job: Callable[[], None], handle: Handle) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="lowcomm-hier", daemon=True)
-                self._thread.start()
-        self._queue.put((job, handle))
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, handle = item
-            try:
-                job()
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                handle.get_future().set_exception(e)  # type: ignore[arg-type]
-            else:
-                handle.get_future().set_result([handle.buf])
-
     def close(self) -> None:
         """Stop the communication thread after the buffers already submitted."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None and thread.is_alive():
-            self._queue.put(None)
-            thread.join()
+        self._thread.close()
 
     def describe(self) -> dict[str, Any]:
         """Mode, topology, link costs and the choice made per buffer size (for run summaries)."""

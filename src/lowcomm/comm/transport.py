@@ -22,6 +22,7 @@ world-scope ``all_reduce`` message instead of the plain all-reduce, non-final on
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,9 +135,13 @@ def _exchange(msg: Message, group: dist.ProcessGroup | None, tag: str, link: str
 
 
 def run_rounds(codec: Codec, msg: Message, *, group: dist.ProcessGroup | None = None, tag: str,
-               topology: Topology | None = None, reducer: Any = None) -> Message:
-    """Complete every non-final message synchronously; return the final one (not started)."""
+               topology: Topology | None = None, reducer: Any = None,
+               guard: AbstractContextManager[Any] | None = None) -> Message:
+    """Complete every non-final message synchronously; return the final one (not started).
+    ``guard``: held around each :meth:`~lowcomm.compress.codec.Codec.advance` (not around the
+    waits), when another thread uses the codec meanwhile (:mod:`lowcomm.comm.hooks.state`)."""
     while not msg.final:
         received = start(msg, group=group, tag=tag, async_op=False, topology=topology, reducer=reducer).wait()
-        msg = codec.advance(msg, received)
+        with guard or nullcontext():
+            msg = codec.advance(msg, received)
     return msg

@@ -17,6 +17,7 @@ from torch import nn
 
 from lowcomm import hooks
 from lowcomm.comm.hooks import CodecHook
+from lowcomm.comm.hooks.state import has_rounds
 from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.errors import UsageError
 from lowcomm.methods import register
@@ -47,6 +48,15 @@ class HookMethod(Method):
         if self._pending is not None:
             self.hook_state.load_state_dict(self._pending)
             self._pending = None
+
+    def describe(self) -> dict[str, Any]:
+        """:meth:`Method.describe`; for a codec with rounds, where they ran (``codec_rounds``:
+        ``thread``, beside backward, or ``hook``, in the hook's call): the simulator replays it."""
+        out = super().describe()
+        state = self.hook_state
+        if state is not None and state.codec is not None and has_rounds(state.codec):
+            out["codec_rounds"] = "thread" if state.beside else "hook"
+        return out
 
     def attach_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
         """Stateful codecs keep memory/momentum in unscaled units (see Method.attach_scaler)."""

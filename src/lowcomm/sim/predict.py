@@ -62,11 +62,15 @@ def ddp_caps(bucket_mb: float | None) -> tuple[float, float]:
 
 def simulate(profile: Profile, method_spec: str, *, workers: int, network: NetworkModel,
              iterations: int = ITERATIONS, bucket_mb: float = DDP_BUCKET_MB,
-             first_bucket_mb: float = DDP_FIRST_BUCKET_MB, plan: list[int] | None = None) -> tuple[Sim, Schedule]:
+             first_bucket_mb: float = DDP_FIRST_BUCKET_MB, plan: list[int] | None = None,
+             rounds_beside: bool | None = None) -> tuple[Sim, Schedule]:
     """Run the schedule; return the simulation (timeline inside) and the schedule object.
 
     ``plan``: layers per group (forward order) that a run's planner chose, replayed instead of
-    planning (``mgwfbp`` only: its plan comes from timings the engine measures online)."""
+    planning (``mgwfbp`` only: its plan comes from timings the engine measures online).
+    ``rounds_beside``: whether the DDP hooks run a codec's rounds on their own thread, beside
+    backward, as they do with real compute on CPU workers over gloo
+    (:func:`lowcomm.comm.hooks.state.rounds_beside`); None: when the profile is a CPU's."""
     if int(workers) != workers or workers < 1:
         raise UsageError(f"workers must be a positive integer, got {workers}")
     schedule = make_schedule(method_spec)
@@ -76,7 +80,8 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
         schedule.replay = list(plan)
     used = schedule.profile_for(profile)
     sim = Sim(used, int(workers), network, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
-              optimizer_s=schedule.optimizer_s(used, int(workers)))
+              optimizer_s=schedule.optimizer_s(used, int(workers)),
+              rounds_beside=profile.device == "cpu" if rounds_beside is None else rounds_beside)
     schedule.setup(sim)
     for it in range(1, iterations + 1):
         schedule.iteration(sim, it)
@@ -86,16 +91,17 @@ def simulate(profile: Profile, method_spec: str, *, workers: int, network: Netwo
 
 def predict_iteration_time(profile: Profile, method_spec: str, *, workers: int,
                            network: NetworkModel, bucket_mb: float = DDP_BUCKET_MB,
-                           first_bucket_mb: float = DDP_FIRST_BUCKET_MB, plan: list[int] | None = None) -> Prediction:
+                           first_bucket_mb: float = DDP_FIRST_BUCKET_MB, plan: list[int] | None = None,
+                           rounds_beside: bool | None = None) -> Prediction:
     """Predicted steady-state iteration time of ``method_spec`` on ``workers`` workers.
 
     ``method_spec`` is a ``--method`` string (``"acpsgd:rank=4"``); its options are parsed by
     the method itself. ``bucket_mb``/``first_bucket_mb`` are DDP's bucket caps (the trainer's
-    ``--bucket-cap-mb``); ``plan`` as in :func:`simulate`.
+    ``--bucket-cap-mb``); ``plan`` and ``rounds_beside`` as in :func:`simulate`.
     """
     check_positive("workers", workers)
     sim, _ = simulate(profile, method_spec, workers=workers, network=network,
-                      bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, plan=plan)
+                      bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, plan=plan, rounds_beside=rounds_beside)
     tl = sim.tl
     first, last = 1, ITERATIONS
     n = last - first

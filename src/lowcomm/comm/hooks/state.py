@@ -7,7 +7,11 @@ rounds) are completed synchronously by :func:`lowcomm.comm.transport.run_rounds`
 one is started asynchronously; the future's callback only decodes (tensor math), never
 communicates. PyTorch's ``powerSGD_hook`` launches its second all-reduce from a callback,
 whose timing differs across ranks, so with several buckets the ranks' collective sequences
-diverge and gloo fails; here that cannot happen.
+diverge and gloo fails; here that cannot happen. The one exception keeps the rule: on CPU
+workers over gloo (:func:`rounds_beside`) a codec with rounds runs them, its final message and
+its decode as one job per bucket on a thread of the hook's own, jobs in bucket order, on a
+process group only that thread uses; every rank issues the same sequence there too, and
+backward no longer waits for the rounds.
 
 Step counter: the codec's (:meth:`~lowcomm.compress.codec.Codec.end_step`), advanced after
 the hook of the bucket DDP marks ``is_last()``, so it counts synchronized iterations
@@ -42,6 +46,7 @@ communication thread, in bucket order (or flat, per bucket, in hybrid mode).
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -52,10 +57,12 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.comm import accounting, transport
+from lowcomm.comm.backends import device_backend
+from lowcomm.comm.ordered import OrderedThread
 from lowcomm.comm.amp import current_scale
 from lowcomm.comm.hooks.replay import BucketReplay, sync_as_parts
 from lowcomm.comm.topology import Topology
-from lowcomm.compress.codec import Codec, Layout
+from lowcomm.compress.codec import Codec, Layout, Message
 from lowcomm.compress.feedback import StepFlags, finite_flag, warn_nonfinite
 from lowcomm.runtime import timing
 
@@ -65,6 +72,34 @@ Future = torch.futures.Future
 @dataclass
 class SSGDOptions:
     """ssgd takes no options."""
+
+
+def has_rounds(codec: Codec) -> bool:
+    """Whether ``codec`` sends non-final messages (it overrides ``advance``: gTop-k's exchanges,
+    PowerSGD's P): a later message needs what an earlier one received."""
+    return type(codec).advance is not Codec.advance
+
+
+def rounds_beside(codec: Codec, model: nn.Module, group: dist.ProcessGroup | None) -> bool:
+    """Whether a hook runs ``codec``'s rounds on a thread of its own, beside backward: a codec
+    with rounds (:func:`has_rounds`: gTop-k's exchanges,
+    PowerSGD's P) on CPU tensors over gloo, on the world group of several workers, with real
+    compute (and, checked per call, without a hierarchical reducer, which has a thread of its
+    own: :attr:`CodecHook.beside`).
+
+    Why: in the hook's own call each round stalls backward until every partner reached the
+    same bucket; on CPU workers that share cores they reach it at different moments.
+    The thread uses a process group of its own (same ranks), so its collectives cannot
+    interleave with those another thread issues on the world group (DDP's unused-parameter
+    all-reduce, SyncBatchNorm). On CUDA a round's wait holds the compute stream (NCCL), so
+    there the hook keeps its rounds, as before; so does emulated compute
+    (:mod:`lowcomm.runtime.emulated`), which stands for such a GPU.
+    """
+    from lowcomm.runtime.emulated import emulation_of
+
+    device = next(iter(model.parameters())).device
+    return (has_rounds(codec) and device.type == "cpu" and group is None and emulation_of(model) is None
+            and dist.get_world_size() > 1 and device_backend(None, device) == "gloo")
 
 
 class CodecHook:
@@ -97,6 +132,14 @@ class CodecHook:
         #: the bucket layouts, recorded and replayed after a load (exact resume)
         self.replay = BucketReplay(lambda p: self._param_name.get(id(p), "?"))
         self.replay.watch(ddp)
+        #: a codec's rounds beside backward (see :func:`rounds_beside`): the thread that runs
+        #: them and the process group it alone uses (None: in the hook's own call)
+        self.rounds_group: dist.ProcessGroup | None = None
+        self.rounds_thread: OrderedThread[torch.Tensor] | None = None
+        self._codec_lock = threading.Lock()
+        if codec is not None and rounds_beside(codec, getattr(ddp, "module", ddp), process_group):
+            self.rounds_group = dist.new_group()  # collective: every rank registers its hook
+            self.rounds_thread = OrderedThread(f"lowcomm-{name}-rounds")
 
     def use_topology(self, topology: Topology | None) -> None:
         """The node layout scoped codec messages (hitopk's intra/inter) run on, also handed to
@@ -104,6 +147,12 @@ class CodecHook:
         self.topology = topology
         if self.codec is not None and hasattr(self.codec, "set_topology"):
             self.codec.set_topology(topology)
+
+    @property
+    def beside(self) -> bool:
+        """Whether the codec's rounds run on :attr:`rounds_thread` (:func:`rounds_beside`; a
+        hierarchical reducer attached after construction keeps them in the hook)."""
+        return self.rounds_thread is not None and self.reducer is None
 
     @property
     def step(self) -> int:
@@ -130,24 +179,61 @@ class CodecHook:
         """:meth:`__call__` for one bucket as DDP (or the replay) presents it."""
         self.replay.note(self.replay.names(bucket) if names is None else names, first=first)
         codec = self.codec
+        beside = codec is not None and codec.active and self.beside
         if codec is None:
             fut = self.allreduce_mean(bucket.buffer(), tag=self.name)
         elif not codec.active:
             if codec.accumulates:  # momentum correction: the warm-up averages the velocity
                 self.accumulate(bucket, codec)
             fut = self.allreduce_mean(bucket.buffer(), tag=f"{self.name}.warmup")
+        elif beside:
+            fut = self.compressed_beside(bucket, codec)  # the step ends on that thread
         else:
             fut = self.compressed(bucket, codec)
         if bucket.is_last():
             if codec is None:
                 self._step += 1
-            else:
+            elif not beside:
                 codec.end_step()
             self.replay.end_step()
         return fut
 
     def compressed(self, bucket: dist.GradBucket, codec: Codec) -> Future[torch.Tensor]:
         """Encode, complete the non-final messages, start the final one, decode in its callback."""
+        buf, msg, scale = self.encode(bucket, codec)
+        msg = transport.run_rounds(codec, msg, group=self.group, tag=self.name, topology=self.topology,
+                                   reducer=self.reducer)
+        pending = transport.start(msg, group=self.group, tag=self.name, topology=self.topology, reducer=self.reducer)
+
+        def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
+            return self.decode(codec, msg, fut.value(), buf, scale)
+
+        return pending.future().then(decode)
+
+    def compressed_beside(self, bucket: dist.GradBucket, codec: Codec) -> Future[torch.Tensor]:
+        """:meth:`compressed` with the rounds, the final message and the decode on
+        :attr:`rounds_thread`, in bucket order; after the last bucket the step ends there."""
+        lock = self._codec_lock  # the codec's state is shared: one thread at a time works on it
+        with lock:
+            buf, msg, scale = self.encode(bucket, codec)
+        last = bucket.is_last()
+
+        def job() -> torch.Tensor:
+            final = transport.run_rounds(codec, msg, group=self.rounds_group, tag=self.name,
+                                         topology=self.topology, guard=lock)
+            received = transport.start(final, group=self.rounds_group, tag=self.name, topology=self.topology).wait()
+            with lock:
+                out = self.decode(codec, final, received, buf, scale)
+                if last:
+                    codec.end_step()
+            return out
+
+        assert self.rounds_thread is not None
+        return self.rounds_thread.submit(job)
+
+    def encode(self, bucket: dist.GradBucket, codec: Codec) -> tuple[torch.Tensor, Message, torch.Tensor | None]:
+        """The bucket's first message (velocity and loss scale handled); returns the bucket's
+        buffer, the message and the loss scale the decode multiplies back (None: none)."""
         buf = bucket.buffer()
         layout = self.layout(bucket)
         scale = self.loss_scale if codec.stateful else None
@@ -156,21 +242,18 @@ class CodecHook:
                 buf.div_(scale)
             finite = finite_flag(buf)  # device flag: no host sync inside backward
             codec.accumulate(buf, layout, finite)  # buf <- velocity (no-op without one)
-            msg = codec.encode(buf, layout, finite)
-        msg = transport.run_rounds(codec, msg, group=self.group, tag=self.name, topology=self.topology,
-                                   reducer=self.reducer)
-        pending = transport.start(msg, group=self.group, tag=self.name, topology=self.topology, reducer=self.reducer)
+            return buf, codec.encode(buf, layout, finite), scale
 
-        def decode(fut: Future[torch.Tensor]) -> torch.Tensor:
-            t0 = time.perf_counter()
-            codec.decode(msg, fut.value(), buf)
-            self.note_aggregate(buf)
-            if scale is not None:
-                buf.mul_(scale)
-            timing.add("compress", time.perf_counter() - t0)
-            return buf
-
-        return pending.future().then(decode)
+    def decode(self, codec: Codec, msg: Message, received: torch.Tensor, buf: torch.Tensor,
+               scale: torch.Tensor | None) -> torch.Tensor:
+        """The mean gradient into ``buf`` from what the final ``msg`` received (timed as compress)."""
+        t0 = time.perf_counter()
+        codec.decode(msg, received, buf)
+        self.note_aggregate(buf)
+        if scale is not None:
+            buf.mul_(scale)
+        timing.add("compress", time.perf_counter() - t0)
+        return buf
 
     def accumulate(self, bucket: dist.GradBucket, codec: Codec) -> None:
         """A dense warm-up step's velocity: ``buf <- u = m*u + buf`` in unscaled units (the

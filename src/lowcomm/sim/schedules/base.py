@@ -75,7 +75,8 @@ class Sim:
     """Shared state of one simulation run: the profile, P, network, timeline, priced kernels."""
 
     def __init__(self, profile: Profile, workers: int, network: NetworkModel, *,
-                 bucket_mb: float = DDP_BUCKET_MB, first_bucket_mb: float = DDP_FIRST_BUCKET_MB, optimizer_s: float | None = None) -> None:
+                 bucket_mb: float = DDP_BUCKET_MB, first_bucket_mb: float = DDP_FIRST_BUCKET_MB, optimizer_s: float | None = None,
+                 rounds_beside: bool = False) -> None:
         check_positive("bucket_mb", bucket_mb)
         check_positive("first_bucket_mb", first_bucket_mb)
         self.bucket_bytes = bucket_mb * MIB
@@ -93,6 +94,8 @@ class Sim:
         #: seconds of one optimizer step: the schedule's :meth:`Schedule.optimizer_s` (``simulate``
         #: passes it), else the profile's
         self.optimizer_s = profile.optimizer_s if optimizer_s is None else optimizer_s
+        #: the DDP hooks run a codec's rounds on a thread of their own (:mod:`.codec`)
+        self.rounds_beside = rounds_beside
 
     # -- model ---------------------------------------------------------------------------
     def tensors_backward(self) -> list[GradTensor]:

@@ -10,7 +10,10 @@ The DDP hooks and the engine issue those rounds the same way, and so does :meth:
 * a *blocking* round (a later message needs its result: PowerSGD's P, gTop-k's exchanges)
   stalls backward: its collective, then its ``then`` work on the compute stream;
 * the last round is asynchronous: its collective overlaps backward and its ``then`` (the
-  decode) runs in the collective's callback, on the comm chain.
+  decode) runs in the collective's callback, on the comm chain;
+* with ``beside`` (the DDP hooks on CPU workers over gloo run a codec's rounds on a thread of
+  their own, :func:`lowcomm.comm.hooks.state.rounds_beside`) no round stalls backward: every
+  round's ``then`` runs on the comm chain, in bucket order, as that one thread runs them.
 
 Work is priced with the profile's per-unit kernel costs (:meth:`Sim.price`), except where the
 profile holds measured times of the codec itself (``profile.compressors[name]``, from
@@ -107,7 +110,7 @@ class CodecPlan:
         return sim.price(last.then)
 
     def hook(self, sim: Sim, it: int, b: Bucket, ready: Task, *, last_as: str | None = None,
-             defer: bool = False, algorithm: str | None = None) -> tuple[Task, CodecCost]:
+             defer: bool = False, algorithm: str | None = None, beside: bool = False) -> tuple[Task, CodecCost]:
         """Issue bucket ``b``'s step: encode, every round, the decode in the final round's
         callback; return the last task and the cost. ``algorithm``: the all-reduce algorithm of
         the world-scoped all-reduce rounds (the ``hier`` method's mode), else the network's.
@@ -115,7 +118,8 @@ class CodecPlan:
         ``last_as``: the schedule carries the last (sum-compatible) round itself with this
         collective (DeAR/Lee'18: ``reduce_scatter``) and decodes later. ``defer``: the
         final collective is issued but its decode is left to the caller (the engine decodes
-        in ``finish_sync``); the returned task is then that collective.
+        in ``finish_sync``); the returned task is then that collective. ``beside``: the rounds
+        run beside backward (module docstring).
         """
         cost = self.cost(sim, b, it)
         k = b.index
@@ -135,7 +139,7 @@ class CodecPlan:
                 break
             seconds = self.decode_s(sim, b, r) if final else self.round_s(sim, r)
             name = f"dec.b{k}" if final else f"after.{tag}.b{k}"
-            if r.blocking or collective == "none":
+            if (r.blocking or collective == "none") and not beside:
                 last = sim.compute(name, seconds, it, after=[last])
             else:
                 last = sim.comm_side(name, seconds, it, after=[last])

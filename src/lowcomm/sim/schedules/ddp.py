@@ -49,7 +49,8 @@ class BucketSchedule(Schedule):
         if self.codec is None:
             return sim.collective(f"ar.b{b.index}", "all_reduce", b.numel * sim.bpe, it,
                                   after=[ready])
-        task, cost = self.codec.hook(sim, it, b, ready, defer=self.decode_after_backward)
+        task, cost = self.codec.hook(sim, it, b, ready, defer=self.decode_after_backward,
+                                     beside=sim.rounds_beside and not self.decode_after_backward)
         if self.decode_after_backward:
             self.arrivals.append((b, cost, task))
         return task
