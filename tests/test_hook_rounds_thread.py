@@ -77,7 +77,7 @@ def test_codecs_without_rounds_and_emulated_compute_keep_the_hooks_call() -> Non
     model = nn.Linear(4, 4)
     gtopk = codec_class("gtopk")(world=2, rank=dist.get_rank())
     assert hook_state.rounds_beside(gtopk, model, None)
-    assert not hook_state.rounds_beside(gtopk, model, dist.new_group([0, 1]))  # a subgroup: in the hook
+    assert not hook_state.rounds_beside(gtopk, model, dist.new_group([0, 1]))  # a group of its own: in the hook
     mark = "_lowcomm_emulation"  # what lowcomm.runtime.emulated.emulate sets on the model
     setattr(model, mark, object())
     assert not hook_state.rounds_beside(gtopk, model, None)  # stands for a GPU, whose rounds block
