@@ -205,16 +205,15 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
             use = prof_emulated if emulated else prof
             plan = plan_of(r)
             cap, first = ddp_caps_of(r)
-            beside = rounds_beside_of(r)
+            as_run: dict[str, Any] = {"workers": workers, "network": shared, "bucket_mb": cap,
+                                      "first_bucket_mb": first, "rounds_beside": rounds_beside_of(r)}
             try:
-                pred = predict_iteration_time(use, spec, workers=workers, network=shared, plan=plan,
-                                              bucket_mb=cap, first_bucket_mb=first, rounds_beside=beside)
+                pred = predict_iteration_time(use, spec, plan=plan, **as_run)
             except UsageError as e:  # a plan that does not fit the profile: the simulator plans
                 if plan is None:
                     raise
                 r["prediction_note"] = f"the run's plan was not replayed: {e}"
-                pred = predict_iteration_time(use, spec, workers=workers, network=shared,
-                                              bucket_mb=cap, first_bucket_mb=first, rounds_beside=beside)
+                pred = predict_iteration_time(use, spec, **as_run)
         except UsageError as e:
             r["predicted_iter_time_s"] = None
             r["prediction_note"] = str(e)

@@ -48,13 +48,14 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
 import torch
 
 from lowcomm.compress.base import pack as pack, unpack as unpack  # codecs import them from here
+from lowcomm.compress.cost import CodecCost as CodecCost, Round as Round, Work as Work
 from lowcomm.compress.feedback import Velocity
 from lowcomm.compress.options import is_relative, parse_duration, resolve_duration
 from lowcomm.errors import UsageError, check_count
@@ -146,59 +147,6 @@ class Message:
             raise ValueError(f"unknown scope {self.scope!r}; valid: {', '.join(SCOPES)}")
         if self.numel < 0:
             self.numel = self.buf.numel()
-
-
-@dataclass
-class Work:
-    """Kernel amounts of one compute phase, priced by the simulator's measured costs."""
-
-    elementwise: float = 0.0  # elements streamed once (a cast, an add, a sign pass)
-    matmul_flops: float = 0.0  # 2*m*n*r per (m x n) @ (n x r)
-    orthogonalize: float = 0.0  # m*r elements of a reduced QR
-    topk: float = 0.0  # elements scanned by a top-k selection
-    scatter: float = 0.0  # elements scatter-added
-
-    def __add__(self, other: Work) -> Work:
-        return Work(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
-
-    def scaled(self, k: float) -> Work:
-        """This work done ``k`` times (e.g. once per worker's payload)."""
-        return Work(*(a * k for a in dataclasses.astuple(self)))
-
-
-@dataclass
-class Round:
-    """One collective of a step and the compute that follows it.
-
-    ``nbytes``: bytes of this worker's payload handed to the collective (the accounting
-    layer's convention: what ``lowcomm.comm.accounting`` counts at the call). ``blocking``:
-    the transport waits for it inside backward (a later round needs its result). ``then``:
-    compute after it (for the last round: the decode, run in the collective's callback).
-    """
-
-    collective: str
-    nbytes: int
-    then: Work = field(default_factory=Work)
-    blocking: bool = False
-    #: bytes received in a ``p2p`` round, for timing (None: ``nbytes``); a receive-only
-    #: round sends nothing but still waits for the peer's payload
-    recv_nbytes: int | None = None
-    #: the process group of the collective (``world``, ``intra``, ``inter``; see
-    #: :class:`Message`): byte counts and timing use that group's size and link
-    scope: str = "world"
-
-
-@dataclass
-class CodecCost:
-    """Cost of one step of one fused buffer: encode, then the rounds in order."""
-
-    encode: Work
-    rounds: list[Round]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this worker hands to collectives in the step."""
-        return sum(r.nbytes for r in self.rounds)
 
 
 class Codec(Velocity, ABC):
@@ -334,6 +282,14 @@ class Codec(Velocity, ABC):
         ``final=False`` by a codec with no next message), reported as such."""
         raise RuntimeError(f"{self.name} marked a message non-final but has no next message "
                            "(a codec with final=False messages must override advance)")
+
+    @property
+    def has_rounds(self) -> bool:
+        """Whether this codec sends non-final messages (it overrides :meth:`advance`: gTop-k's
+        exchanges, PowerSGD's P): a later message needs what an earlier one received. Wider
+        than :attr:`multi_round`, which names only the ``SUM`` codecs whose next message needs
+        a complete sum (what DeAR cannot carry)."""
+        return type(self).advance is not Codec.advance
 
     @abstractmethod
     def decode(self, msg: Message, received: torch.Tensor, out: torch.Tensor) -> None:

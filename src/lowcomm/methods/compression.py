@@ -17,7 +17,6 @@ from torch import nn
 
 from lowcomm import hooks
 from lowcomm.comm.hooks import CodecHook
-from lowcomm.comm.hooks.state import has_rounds
 from lowcomm.compress.codec import CODECS, codec_class
 from lowcomm.errors import UsageError
 from lowcomm.methods import register
@@ -54,7 +53,7 @@ class HookMethod(Method):
         ``thread``, beside backward, or ``hook``, in the hook's call): the simulator replays it."""
         out = super().describe()
         state = self.hook_state
-        if state is not None and state.codec is not None and has_rounds(state.codec):
+        if state is not None and state.codec is not None and state.codec.has_rounds:
             out["codec_rounds"] = "thread" if state.beside else "hook"
         return out
 

@@ -74,15 +74,9 @@ class SSGDOptions:
     """ssgd takes no options."""
 
 
-def has_rounds(codec: Codec) -> bool:
-    """Whether ``codec`` sends non-final messages (it overrides ``advance``: gTop-k's exchanges,
-    PowerSGD's P): a later message needs what an earlier one received."""
-    return type(codec).advance is not Codec.advance
-
-
 def rounds_beside(codec: Codec, model: nn.Module, group: dist.ProcessGroup | None) -> bool:
     """Whether a hook runs ``codec``'s rounds on a thread of its own, beside backward: a codec
-    with rounds (:func:`has_rounds`: gTop-k's exchanges,
+    with rounds (:attr:`Codec.has_rounds`: gTop-k's exchanges,
     PowerSGD's P) on CPU tensors over gloo, on the world group of several workers, with real
     compute (and, checked per call, without a hierarchical reducer, which has a thread of its
     own: :attr:`CodecHook.beside`).
@@ -98,7 +92,7 @@ def rounds_beside(codec: Codec, model: nn.Module, group: dist.ProcessGroup | Non
     from lowcomm.runtime.emulated import emulation_of
 
     device = next(iter(model.parameters())).device
-    return (has_rounds(codec) and device.type == "cpu" and group is None and emulation_of(model) is None
+    return (codec.has_rounds and device.type == "cpu" and group is None and emulation_of(model) is None
             and dist.get_world_size() > 1 and device_backend(None, device) == "gloo")
 
 
