@@ -1,7 +1,9 @@
 """What one step of a codec costs: the compute of each phase and the collectives, in order.
 
-Kept apart from :mod:`lowcomm.compress.codec` (which re-exports these names) because the
-simulator, the profiler and the advisor read costs without needing the codec contract.
+A codec's :meth:`~lowcomm.compress.codec.Codec.cost` returns a :class:`CodecCost`; the
+simulator, the profiler, the advisor and the byte-count tests read it. These are plain data,
+kept out of :mod:`lowcomm.compress.codec` so that module holds the contract alone; it
+re-exports the three names, so ``from lowcomm.compress.codec import Work`` works as before.
 """
 
 from __future__ import annotations
