@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
@@ -176,10 +177,7 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     nocomm = next((r for r in rows if r["method"] == "nocomm" and r.get("status") == "ok"), None)
     prof = profile
     if nocomm:
-        # the mean of the nocomm runs bracketing the methods: the load the methods ran under
-        # (the lower bound takes the faster run; a prediction wants the typical one)
-        runs = nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]]
-        reference = sum(runs) / len(runs)
+        reference = typical_compute_s(nocomm)
         prof, factor = calibrate_phases(profile, reference, nocomm.get("breakdown_s") or {},
                                          workers=workers, network=net)
         used["compute_scale"] = factor
@@ -227,6 +225,21 @@ def add_predictions(rows: list[dict[str, Any]], profile: Any, info: dict[str, An
     return used
 
 
+def typical_compute_s(row: Mapping[str, Any]) -> float:
+    """The typical time of a compute reference (``nocomm``, a model-axis method's own model),
+    which predictions are calibrated to: the median of every run of it, that is the two runs
+    bracketing the methods in one round (their mean), or one run per round with ``--repeat``.
+
+    Why not the row's own time: a reference row keeps its *fastest* run, which is what a lower
+    bound must take (it must not absorb a load spike), while a method's row is one typical run
+    (one round's, or the median of the rounds). Calibrated to the fastest of three ``nocomm``
+    rounds, every prediction of a ``--repeat 3`` run came out low by the spread of those rounds
+    (853 ms against a median of 944 at 100 Mbit/s on 2026-12-02; benchmarks.md, "Real compute,
+    sixteenth run")."""
+    runs = row.get("nocomm_runs_s") or row.get("compute_runs_s") or row.get("repeat_iter_times_s")
+    return float(statistics.median(runs)) if runs else float(row["iter_time_s_median"])
+
+
 def _calibrate_factorized(prof: Any, rows: list[dict[str, Any]], *, workers: int, net: Any,
                           used: dict[str, Any]) -> Any:
     """``prof`` with its factorized section (Pufferfish's model) calibrated to that model's own
@@ -244,8 +257,9 @@ def _calibrate_factorized(prof: Any, rows: list[dict[str, Any]], *, workers: int
                 and r.get("compute_reference") == (r.get("spec_run") or r["method"])), None)
     if prof.factorized is None or ref is None:
         return prof
-    fact, factor = calibrate_phases(prof.factorized, float(ref["iter_time_s_median"]), ref.get("breakdown_s") or {},
+    reference = typical_compute_s(ref)
+    fact, factor = calibrate_phases(prof.factorized, reference, ref.get("breakdown_s") or {},
                                     workers=workers, network=net)
     used["factorized_compute_scale"] = factor
-    used["factorized_reference_s"] = float(ref["iter_time_s_median"])
+    used["factorized_reference_s"] = reference
     return dataclasses.replace(prof, factorized=fact)
