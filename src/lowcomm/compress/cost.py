@@ -48,7 +48,7 @@ class Round:
     #: round sends nothing but still waits for the peer's payload
     recv_nbytes: int | None = None
     #: the process group of the collective (``world``, ``intra``, ``inter``; see
-    #: :class:`Message`): byte counts and timing use that group's size and link
+    #: :class:`~lowcomm.compress.codec.Message`): byte counts and timing use that group's size and link
     scope: str = "world"
 
 
