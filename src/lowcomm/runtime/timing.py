@@ -3,8 +3,10 @@
 Phases: ``data``, ``forward``, ``backward`` (compute, including communication that overlaps
 it), ``comm_wait`` (exposed waiting for communication), ``compress`` (encode/decode work done
 by a compression method) and ``optimizer``. Hooks running inside backward report their work
-with :func:`add`; the trainer subtracts it from the backward wall time so phases don't
-double-count.
+with :func:`add`; the trainer subtracts from each pass's wall time the part of that work
+which ran inside the pass (:meth:`StepTimer.within`), so phases don't double-count: a bucket
+encoded or decoded after the last gradient was ready is compression, not exposed waiting,
+and takes nothing from backward.
 
 Work a GPU would run on the device (``compress``: a method's encode/decode kernels, queued on
 the stream behind backward's; ``optimizer`` reported from hooks: DeAR's per-group update before
@@ -19,11 +21,13 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 PHASES = ("data", "forward", "backward", "comm_wait", "compress", "optimizer")
+#: reports a step keeps with their times (a bucket's or a layer's hook reports a few each)
+MAX_SPANS = 8192
 #: phases whose work a GPU runs on the device, in order with the layers' kernels
 DEVICE_PHASES = ("compress", "optimizer")
 
@@ -34,6 +38,9 @@ class StepTimer:
     def __init__(self) -> None:
         self._current: dict[str, float] = defaultdict(float)
         self.steps: list[dict[str, float]] = []
+        #: this step's reports as ``(end, seconds, phase)``: when each ran (:meth:`within`);
+        #: bounded, for hooks used in a loop of the user's own that never ends a step
+        self._spans: deque[tuple[float, float, str]] = deque(maxlen=MAX_SPANS)
         self._lock = threading.Lock()
 
     @contextmanager
@@ -46,9 +53,22 @@ class StepTimer:
             self.add(name, time.perf_counter() - start)
 
     def add(self, name: str, seconds: float) -> None:
-        """Credit ``seconds`` to ``name`` (thread-safe: hooks may report from other threads)."""
+        """Credit ``seconds`` to ``name`` (thread-safe: hooks may report from other threads),
+        taken to have run until now."""
+        end = time.perf_counter()
         with self._lock:
             self._current[name] += seconds
+            if seconds > 0:
+                self._spans.append((end, seconds, name))
+
+    def within(self, names: tuple[str, ...], start: float, end: float) -> float:
+        """Seconds of this step's reports to ``names`` that ran between ``start`` and ``end``
+        (``time.perf_counter``): each report's overlap with that window, a report covering
+        the seconds before it was made. Why: a pass's wall time holds only the hook work that
+        ran inside it; what ran after backward's last gradient was waited for in the tail."""
+        with self._lock:
+            spans = [s for s in self._spans if s[2] in names]
+        return sum(max(0.0, min(stop, end) - max(stop - seconds, start)) for stop, seconds, _ in spans)
 
     def get(self, name: str) -> float:
         """Seconds credited to ``name`` so far in this step."""
@@ -67,6 +87,7 @@ class StepTimer:
             for k, v in self._current.items():
                 done.setdefault(k, v)
             self._current = defaultdict(float)
+            self._spans.clear()
         self.steps.append(done)
         return done
 

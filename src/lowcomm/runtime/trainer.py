@@ -218,13 +218,12 @@ class Trainer:
             dist.barrier()
 
     # --- one step -----------------------------------------------------------------------------
-    def _phase_wall(self, name: str, start: float, end: float, hook_phases: dict[str, float]) -> None:
-        """Credit wall time to ``name`` minus what hooks reported for other phases meanwhile."""
-        inner = sum(self.timer.get(p) - v for p, v in hook_phases.items())
+    def _phase_wall(self, name: str, start: float, end: float,
+                    hook_phases: tuple[str, ...] = ("compress", "optimizer")) -> None:
+        """Credit the wall time from ``start`` to ``end`` to ``name``, less the work hooks
+        reported for ``hook_phases`` that ran inside it (:meth:`StepTimer.within`)."""
+        inner = self.timer.within(hook_phases, start, end)
         self.timer.add(name, max(0.0, end - start - inner))
-
-    def _snapshot(self) -> dict[str, float]:
-        return {p: self.timer.get(p) for p in ("comm_wait", "compress", "optimizer")}
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
         """One optimizer step on batch ``(x, y)``, timed by phase; returns the loss."""
@@ -237,14 +236,12 @@ class Trainer:
             if self.target_is_input:
                 y = x
         self.optimizer.zero_grad(set_to_none=True)
-        snap = self._snapshot()
         start = time.perf_counter()
         with autocast(self.amp_dtype, self.dist.device):
             loss = self.compute_loss(x, y)
         fwd_end = time.perf_counter()
-        self._phase_wall("forward", start, fwd_end, snap)
+        self._phase_wall("forward", start, fwd_end, ("comm_wait", "compress", "optimizer"))
 
-        snap = self._snapshot()
         self.clock.last = fwd_end
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
@@ -252,11 +249,13 @@ class Trainer:
             loss.backward()
         bwd_end = time.perf_counter()
         compute_end = min(max(self.clock.last, fwd_end), bwd_end)
-        # Waiting after the last gradient was ready is exposed communication.
-        t.add("comm_wait", bwd_end - compute_end)
-        self._phase_wall("backward", fwd_end, compute_end, {p: snap[p] for p in ("compress", "optimizer")})
-        with t.phase("comm_wait"):
-            self.method.finish_sync()
+        self._phase_wall("backward", fwd_end, compute_end)
+        # Waiting after the last gradient was ready is exposed communication; the last
+        # buckets' encode and decode in that tail are compression (counted there).
+        self._phase_wall("comm_wait", compute_end, bwd_end)
+        sync_start = time.perf_counter()
+        self.method.finish_sync()  # (the engine decodes here: compression, not waiting)
+        self._phase_wall("comm_wait", sync_start, time.perf_counter())
 
         with t.phase("optimizer"):
             loss_value, skip = self._check_step(loss)
