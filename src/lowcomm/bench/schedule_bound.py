@@ -74,7 +74,7 @@ def add_schedule_bounds(rows: list[dict[str, Any]], profile: Any, info: dict[str
             r["schedule_bound_s"] = r["schedule_bound_ratio"] = None
             r["schedule_bound_note"] = "no nocomm run to take the compute from"
         return used
-    reference = min(nocomm.get("nocomm_runs_s") or [nocomm["iter_time_s_median"]])
+    reference = float(nocomm["iter_time_s_median"])  # a reference row keeps its fastest run
     prof, factor = calibrate_phases(profile, reference, nocomm.get("breakdown_s") or {},
                                      workers=workers, network=net)
     used.update(compute_scale=factor, nocomm_reference_s=reference)
