@@ -65,7 +65,7 @@ def hook_class(method: str) -> HookKind:
 def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGroup | None = None,
              steps_per_epoch: int | None = None, total_steps: int | None = None,
              hierarchical: bool | str = False, gpus_per_node: int | None = None,
-             link_costs: Any = None, **options: Any) -> CodecHook:
+             link_costs: Any = None, compile_now: bool = True, **options: Any) -> CodecHook:
     """Register ``method``'s comm hook on ``ddp_model``; return its state (checkpointable).
 
     ``method`` is a name or a ``name:key=value,...`` spec; keyword options win over the spec.
@@ -80,6 +80,10 @@ def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGr
     durations (``start_iter="2ep"`` needs ``steps_per_epoch``, ``"5%"`` needs ``total_steps``).
     Without them such an explicit value is a UsageError; a relative *default* falls back to
     a fixed number of steps (``start_iter``: 10).
+
+    ``compile_now``: compile the codec's numba kernels here (:mod:`lowcomm.compress.warm`), so
+    the first compressed steps do not take seconds on a machine whose kernel cache is empty;
+    False when the caller sets the momentum afterwards and compiles then.
 
     ``hierarchical``: False (plain all-reduce), True or ``"hier"`` (every all-reduce
     hierarchical), ``"hybrid"`` (per bucket, flat or hierarchical by the α-β model of
@@ -104,6 +108,10 @@ def register(ddp_model: nn.Module, method: str, *, process_group: dist.ProcessGr
         state.reducer = hierarchical_reducer(ddp_model, state, hierarchical, process_group=process_group,
                                              gpus_per_node=gpus_per_node, link_costs=link_costs)
     ddp_model.register_comm_hook(state, run_hook)  # type: ignore[operator]
+    if compile_now and state.codec is not None:
+        from lowcomm.compress.warm import compile_kernels
+
+        compile_kernels(state.codec, ddp_model.parameters())
     return state
 
 

@@ -176,6 +176,9 @@ class Codec(Velocity, ABC):
     multi_round: ClassVar[bool] = False
     #: consecutive compressed steps run different kernels in a cycle of this length (ACP-SGD's P, Q: 2)
     step_cycle: ClassVar[int] = 1
+    #: the :mod:`lowcomm.compress.native` modules of numba kernels its CPU path calls, compiled
+    #: before training by :func:`lowcomm.compress.warm.compile_kernels`
+    compiled_kernels: ClassVar[tuple[str, ...]] = ()
     #: options that are durations (steps, ``"Nep"``, ``"N%"``) -> the steps a *default*
     #: relative value falls back to when the run's length is unknown (hooks API without
     #: ``steps_per_epoch=``/``total_steps=``): the fixed count the option had before
@@ -247,6 +250,15 @@ class Codec(Velocity, ABC):
     def end_step(self) -> None:
         """Called by the transport once per synchronized step."""
         self.step += 1
+
+    def blank(self) -> Codec:
+        """A new codec of this class with this one's options, world, rank, run length and
+        momentum, and none of its state (step, memory, factors): for work beside training
+        that must leave this one as it is (:mod:`lowcomm.compress.warm`)."""
+        fresh = type(self)(self.options, world=self.world, rank=self.rank)
+        fresh.set_run(steps_per_epoch=self._run[0], total_steps=self._run[1])
+        fresh.set_momentum(self.momentum_factor)
+        return fresh
 
     # --- momentum correction (set_momentum, accumulate, mask_velocity: see Velocity) ----
     def as_trained(self) -> Codec:

@@ -146,6 +146,8 @@ class _Step:
 class LowRankCodec(Codec):
     """Shared plan, factor tables, inputs, writes and state of the two low-rank codecs."""
 
+    compiled_kernels = ("lowrankjit",)
+
     Options = LowRankOptions
     aggregation = Aggregation.SUM
     stateful = True

@@ -187,6 +187,8 @@ class QSGDOptions:
 class QSGDCodec(PayloadCodec):
     """QSGD: unbiased stochastic quantization, all-gathered, decoded payloads averaged."""
 
+    compiled_kernels = ("qsgdjit",)
+
     name = "qsgd"
     summary = "QSGD: stochastic s-level quantization, int8 levels + one fp32 norm per bucket, all-gathered"
     caveat = ("unbiased but noisy: adds variance up to min(d/s^2, sqrt(d)/s)*||v||^2 per bucket of d; "

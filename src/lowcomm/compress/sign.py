@@ -259,6 +259,8 @@ class SignumOptions:
 class _SignCodec(PayloadCodec):
     """Shared payload, byte and work formulas of the two sign codecs."""
 
+    compiled_kernels = ("signjit",)
+
     #: the payload math (scaled signs, decoded by averaging or by majority vote)
     payload: ClassVar[type[ScaledSign]] = ScaledSign
 

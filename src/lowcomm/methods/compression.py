@@ -18,6 +18,7 @@ from torch import nn
 from lowcomm import hooks
 from lowcomm.comm.hooks import CodecHook
 from lowcomm.compress.codec import CODECS, codec_class
+from lowcomm.compress.warm import compile_kernels
 from lowcomm.errors import UsageError
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
@@ -40,9 +41,10 @@ class HookMethod(Method):
         ctx = self.ctx or MethodContext()
         self.hook_state = hooks.register(ddp, self.hook_name or self.name, process_group=ctx.process_group,
                                          steps_per_epoch=ctx.steps_per_epoch, total_steps=ctx.total_steps,
-                                         **dataclasses.asdict(self.options))
+                                         compile_now=False, **dataclasses.asdict(self.options))
         if self.hook_state.codec is not None:  # (not as momentum=: signum has its own option of that name)
             self.hook_state.codec.set_momentum(ctx.codec_momentum)
+            compile_kernels(self.hook_state.codec, getattr(ddp, "module", ddp).parameters())  # not in step 1
         self.hook_state.attach_scaler(self.scaler)
         if self._pending is not None:
             self.hook_state.load_state_dict(self._pending)

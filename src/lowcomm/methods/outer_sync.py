@@ -24,6 +24,7 @@ from torch import nn
 
 from lowcomm.comm import accounting, transport
 from lowcomm.compress.codec import Codec, Layout, codec_class
+from lowcomm.compress.warm import compile_kernels
 from lowcomm.compress.feedback import finite_flag
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import parse_options, strip_parens
@@ -209,6 +210,7 @@ class OuterSync:
             for f in self.fragments:
                 f.codec = codec_class(compress[0])(compress[1], world=self.world, rank=rank)
                 f.codec.set_run(steps_per_epoch=None, total_steps=syncs)
+                compile_kernels(f.codec, model.parameters())  # once: the fragments share a configuration
 
     # --- one sync ----------------------------------------------------------------------------
     def launch(self, f: Fragment, due: int) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowcomm.compress.codec import Codec
+from lowcomm.compress.warm import compile_kernels
 from lowcomm.errors import UsageError, check_positive
 from lowcomm.methods import register
 from lowcomm.methods.base import Method, MethodContext, OptimizerOverride
@@ -60,6 +61,7 @@ class EngineMethod(Method):
             codec = self.codec_class(self.options.codec_options, world=world, rank=rank)
             codec.set_momentum(ctx.codec_momentum)  # momentum correction: what the trainer moved
             codec.set_run(steps_per_epoch=ctx.steps_per_epoch, total_steps=ctx.total_steps)
+            compile_kernels(codec, model.parameters())  # not in the first compressed steps
             if self.codec is not None:  # re-wrap: keep memory, factors and the step count
                 codec.load_state_dict(self.codec.state_dict())
         self.codec = codec
