@@ -117,3 +117,13 @@ def test_nothing_is_compiled_for_parameters_off_the_cpu_or_not_float32(monkeypat
     codec = codec_class("powersgd")(world=2)
     assert not compile_kernels(codec, model().to(torch.float64).parameters())
     assert not compile_kernels(codec_class("topk")(world=2), model().parameters())  # no compiled kernels
+
+
+def test_nothing_is_compiled_for_a_run_that_ends_before_its_first_compressed_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warm, "_WARMED", set())
+    cls = codec_class("powersgd")
+    codec = cls(cls.Options(start_iter=5), world=2)
+    codec.set_run(steps_per_epoch=None, total_steps=5)
+    assert not codec.compresses and not compile_kernels(codec, model().parameters())
+    codec.set_run(steps_per_epoch=None, total_steps=6)
+    assert codec.compresses

@@ -247,6 +247,13 @@ class Codec(Velocity, ABC):
         """Whether this step is compressed (False during the ``start_iter`` warm-up)."""
         return self.step >= self.start_iter
 
+    @property
+    def compresses(self) -> bool:
+        """Whether a compressed step is still to come: False when the run's length is known
+        (:meth:`set_run`) and the ``start_iter`` warm-up lasts to its end."""
+        total = self._run[1]
+        return total is None or self.start_iter < total
+
     def end_step(self) -> None:
         """Called by the transport once per synchronized step."""
         self.step += 1

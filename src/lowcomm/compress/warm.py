@@ -47,10 +47,12 @@ def compile_kernels(codec: Codec, params: Iterable[torch.Tensor]) -> bool:
     """Run ``codec``'s compiled kernels once on a blank copy, on the shapes of ``params``'s
     trainable tensors, so numba compiles (or loads) them now. Returns whether it ran: not
     for parameters off the CPU (the kernels serve CPU tensors only), a codec without compiled
-    kernels, numba missing, or a configuration this process already warmed."""
+    kernels or none still to compress (a run shorter than its warm-up), numba missing, or a
+    configuration this process already warmed."""
     params = [p for p in params if p.requires_grad]
-    if not params or not codec.compiled_kernels or any(p.device.type != "cpu" or p.dtype != torch.float32
-                                                       for p in params):
+    if not params or not codec.compiled_kernels or not codec.compresses:
+        return False
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return False  # (the compiled paths take float32 CPU tensors only)
     if all(native.load(name) is None for name in codec.compiled_kernels):
         return False
