@@ -24,8 +24,8 @@ from torch import nn
 
 from lowcomm.comm import accounting, transport
 from lowcomm.compress.codec import Codec, Layout, codec_class
-from lowcomm.compress.warm import compile_kernels
 from lowcomm.compress.feedback import finite_flag
+from lowcomm.compress.warm import compile_kernels
 from lowcomm.errors import UsageError
 from lowcomm.methods.base import parse_options, strip_parens
 
