@@ -10,6 +10,7 @@ import torch
 
 from lowcomm.cli import main
 from lowcomm.runtime import checkpoint
+from lowcomm.runtime.records import rank_log_path
 
 FAST = ["--model", "mlp", "--data", "mnist1d", "--nproc", "2", "--batch-size", "128", "--lr", "0.05",
         "--threads", "1", "--quiet", "--no-progress"]
@@ -35,6 +36,15 @@ def test_train_writes_documented_summary_keys(tmp_path: Path) -> None:
     # ssgd: one ring all-reduce of every gradient per step: 2 (P-1)/P * bytes = bytes for P = 2
     assert s["bytes_per_worker_per_iter"] == params_bytes
     assert set(s["breakdown_s"]) >= {"data", "forward", "backward", "comm_wait", "compress", "optimizer"}
+
+
+def test_log_all_ranks_gives_every_rank_its_own_step_records(tmp_path: Path) -> None:
+    log = tmp_path / "steps.jsonl"
+    assert main(["train", *FAST, "--steps", "3", "--no-eval", "--log", str(log), "--log-all-ranks"]) == 0
+    for path in (log, tmp_path / "steps.rank1.jsonl"):  # rank 0 where a reader of its log looks
+        steps = [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "step"]
+        assert [r["step"] for r in steps] == [1, 2, 3] and all(r["iter_time_s"] > 0 for r in steps)
+    assert rank_log_path("a/b.jsonl", 0) == "a/b.jsonl" and rank_log_path("a/b", 3) == "a/b.rank3"
 
 
 def test_interrupted_and_resumed_run_matches_uninterrupted_run(tmp_path: Path) -> None:
@@ -95,6 +105,7 @@ def test_fp16_amp_run_resumes_exactly_with_its_loss_scale(tmp_path: Path) -> Non
         (["--batch-size", "0"], "--batch-size must be an integer from 1"),
         (["--lr", "-1"], "--lr must be > 0"),
         (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--log-all-ranks"], "--log-all-ranks needs --log FILE"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

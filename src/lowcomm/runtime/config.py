@@ -74,6 +74,7 @@ class TrainConfig:
     stop_after_steps: int | None = None  # leave cleanly (checkpointed) after N steps of this run
     json: str | None = None
     log: str | None = None  # JSONL per-step log (rank 0)
+    log_all_ranks: bool = False  # every rank writes its own --log (records.rank_log_path)
     tensorboard: str | None = None
     progress: bool = True
     model_args: dict[str, Any] = field(default_factory=dict)
@@ -128,6 +129,8 @@ class TrainConfig:
             raise UsageError(f"unknown device {self.device!r}; valid: auto, cpu, cuda")
         if self.resume and not self.checkpoint_dir:
             raise UsageError("--resume needs --checkpoint-dir")
+        if self.log_all_ranks and not self.log:
+            raise UsageError("--log-all-ranks needs --log FILE (rank 0 writes FILE, rank N FILE's name with .rankN)")
         self.amp_mode()  # refuses an unknown --amp value
         if self.nesterov and self.momentum == 0:
             raise UsageError("--nesterov needs --momentum > 0")

@@ -42,8 +42,18 @@ def open_log(path: str) -> TextIO:
     return open(path, "a")
 
 
+def rank_log_path(path: str, rank: int) -> str:
+    """Where rank ``rank`` writes ``--log path`` with ``--log-all-ranks``: rank 0 ``path`` itself
+    (what a reader of rank 0's log expects), rank N ``path`` with ``.rankN`` before its extension."""
+    if rank == 0:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext}"
+
+
 class RunLog:
-    """The ``--log`` JSONL file and the ``--tensorboard`` writer of rank 0 (either optional).
+    """The ``--log`` JSONL file (rank 0's, or every rank's with ``--log-all-ranks``) and the
+    ``--tensorboard`` writer of rank 0 (either optional).
 
     Every record is one JSON line; its numeric fields (but ``step`` and ``epoch``) also go to
     TensorBoard as scalars at the record's step.
@@ -58,6 +68,14 @@ class RunLog:
             except ImportError:
                 raise UsageError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
             self.tb = SummaryWriter(tensorboard)
+
+    @classmethod
+    def of_rank(cls, log: str | None, tensorboard: str | None, *, rank: int, all_ranks: bool = False) -> RunLog:
+        """Rank ``rank``'s: the log on rank 0, or on every rank with ``all_ranks``
+        (:func:`rank_log_path`); TensorBoard on rank 0 only."""
+        if log and all_ranks:
+            return cls(rank_log_path(log, rank), tensorboard if rank == 0 else None, enabled=True)
+        return cls(log, tensorboard, enabled=rank == 0)
 
     @property
     def active(self) -> bool:

@@ -107,6 +107,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint and exit after N steps of this run (preemptible jobs)")
     p.add_argument("--json", default=None, help="write the summary JSON here")
     p.add_argument("--log", default=None, help="append per-step JSONL records here")
+    p.add_argument("--log-all-ranks", action="store_true",
+                   help="with --log: every rank writes its own records (rank N > 0 to FILE's name with "
+                        ".rankN before the extension); a straggler shows as one rank's long compute "
+                        "and the others' comm_wait")
     p.add_argument("--tensorboard", default=None, metavar="DIR")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--model-arg", type=key_value, action="append", default=[], metavar="KEY=VALUE")
@@ -139,7 +143,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         amp=args.amp, seed=args.seed, threads=args.threads, device=args.device,
         bucket_cap_mb=args.bucket_cap_mb, eval=not args.no_eval, checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every, resume=args.resume,
-        stop_after_steps=args.stop_after_steps, json=args.json, log=args.log,
+        stop_after_steps=args.stop_after_steps, json=args.json, log=args.log, log_all_ranks=args.log_all_ranks,
         tensorboard=args.tensorboard, progress=not args.no_progress,
         model_args=dict(args.model_arg), data_args=data_args,
     )

@@ -100,7 +100,7 @@ class Trainer:
         self.step_times: list[float] = []
         self.iface = InterfaceCounter(os.environ.get("LOWCOMM_MEASURE_IFACE"))
         self.step_tx: list[int] = []
-        self.log = RunLog(cfg.log, cfg.tensorboard, enabled=self.dist.is_main)
+        self.log = RunLog.of_rank(cfg.log, cfg.tensorboard, rank=self.dist.rank, all_ranks=cfg.log_all_ranks)
         self.compute = EmulatedCompute(cfg)  # --compute emulated:...: layers wait a profile's times
 
         # seeded again right before the weights are drawn: whatever ran since the first seeding
