@@ -105,8 +105,9 @@ def test_compiling_runs_once_per_configuration_on_a_blank_copy(monkeypatch: pyte
         pytest.skip("numba not installed: nothing is compiled")
     monkeypatch.setattr(warm, "_WARMED", set())
     codec = codec_class("acpsgd")(world=4).as_trained()
+    params = list(model().parameters())
     rng = torch.get_rng_state()
-    assert compile_kernels(codec, model().parameters())
+    assert compile_kernels(codec, params)
     assert codec.step == 0 and tensors(codec.state_dict()) == 0  # the copy did the work
     assert torch.equal(torch.get_rng_state(), rng)  # training's random stream untouched (exact resume)
     assert not compile_kernels(codec, model().parameters())
