@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from lowcomm.compress import native, warm
-from lowcomm.compress.codec import CODECS, Layout, codec_class
-from lowcomm.compress.steady import compressing, final_message, received, step_offsets
+from lowcomm.compress.codec import CODECS, Codec, Layout, codec_class
+from lowcomm.compress.steady import primed
 from lowcomm.compress.warm import compile_kernels, warm_shapes
 
 COMPILED = [n for n in CODECS.names() if codec_class(n).compiled_kernels]
@@ -47,6 +47,11 @@ def tensors(obj: object) -> int:
     return 0
 
 
+def numba_present() -> bool:
+    """Whether every compiled kernel module loads (numba, the ``fast`` extra ``make`` installs)."""
+    return all(native.load(m) is not None for n in COMPILED for m in codec_class(n).compiled_kernels)
+
+
 def test_the_codecs_with_compiled_cpu_paths_declare_their_kernel_modules() -> None:
     assert {"signsgd", "signum", "qsgd", "powersgd", "acpsgd"} <= set(COMPILED)
 
@@ -55,22 +60,14 @@ def test_warm_shapes_keep_each_distinct_shape_at_most_twice_in_order() -> None:
     assert warm_shapes([(3, 4), (5,), (3, 4), (3, 4), (0, 2), (5,)]) == [(3, 4), (5,), (3, 4), (5,)]
 
 
-def compressed_steps(name: str, net: nn.Module) -> None:
-    """A fresh ``name`` codec's first compressed steps (each step kind) on ``net``'s gradient
+def compressed_steps(codec: Codec, net: nn.Module) -> None:
+    """``codec``'s first compressed steps (each step kind, :func:`primed`) on ``net``'s gradient
     shapes in a bucket's order (backward's), as training runs them after the hook is set up."""
-    codec = codec_class(name)(world=4).as_trained()
-    compile_kernels(codec, net.parameters())
     shapes = [tuple(p.shape) for p in net.parameters()][::-1]
     names = [f"p{i}" for i in range(len(shapes))]
     layout = Layout.of(names, shapes, {n: i for i, n in enumerate(names)})
     x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(3))
-    finite = torch.ones((), dtype=torch.bool)
-    for offset in step_offsets(codec):
-        compressing(codec, offset)
-        buf = x.clone()
-        codec.accumulate(buf, layout, finite)
-        msg = final_message(codec, buf, layout, finite, 4)
-        codec.decode(msg, received(msg, 4), buf)
+    primed(codec, x, layout, torch.ones((), dtype=torch.bool), codec.world)
 
 
 def _check_in_fresh_process() -> None:  # pragma: no cover - runs in the subprocess below
@@ -82,7 +79,7 @@ def _check_in_fresh_process() -> None:  # pragma: no cover - runs in the subproc
         codec = codec_class(name)(world=4).as_trained()
         compile_kernels(codec, net.parameters())
         before = signatures(name)
-        compressed_steps(name, net)
+        compressed_steps(codec, net)
         added[name] = {k: v - before.get(k, 0) for k, v in signatures(name).items() if v != before.get(k, 0)}
     print(json.dumps(added))
 
@@ -90,8 +87,9 @@ def _check_in_fresh_process() -> None:  # pragma: no cover - runs in the subproc
 def test_after_the_setup_compiles_no_compressed_step_compiles_or_loads_a_kernel() -> None:
     """In a fresh process (in this one, other tests may have run the kernels already): a
     kernel first called inside a step would add a signature to its dispatcher there."""
-    if any(native.load(m) is None for n in COMPILED for m in codec_class(n).compiled_kernels):
-        pytest.skip("numba not installed: nothing is compiled")
+    if not numba_present():  # (without the fast extra: nothing to compile, and nothing is)
+        assert not any(compile_kernels(codec_class(n)(world=4), model().parameters()) for n in COMPILED)
+        return
     code = "import test_compile_kernels as t; t._check_in_fresh_process()"
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, capture_output=True,
                          text=True, timeout=600, check=True)
@@ -101,12 +99,13 @@ def test_after_the_setup_compiles_no_compressed_step_compiles_or_loads_a_kernel(
 
 
 def test_compiling_runs_once_per_configuration_on_a_blank_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    if native.load("lowrankjit") is None:
-        pytest.skip("numba not installed: nothing is compiled")
     monkeypatch.setattr(warm, "_WARMED", set())
     codec = codec_class("acpsgd")(world=4).as_trained()
     params = list(model().parameters())
     rng = torch.get_rng_state()
+    if not numba_present():  # (without the fast extra: nothing to compile, and nothing is)
+        assert not compile_kernels(codec, params)
+        return
     assert compile_kernels(codec, params)
     assert codec.step == 0 and tensors(codec.state_dict()) == 0  # the copy did the work
     assert torch.equal(torch.get_rng_state(), rng)  # training's random stream untouched (exact resume)
