@@ -167,6 +167,26 @@ def test_timing_runs_leave_out_the_steps_a_method_spends_measuring_itself(tmp_pa
     assert result["runs"][-1]["warmup_iters"] == 3
 
 
+def test_timing_runs_leave_out_the_first_compressed_steps(tmp_path: Path) -> None:
+    cfg = config(tmp_path, ["ssgd"], warmup=3, iters=4)
+    first = runner.FIRST_COMPRESSED_STEPS
+    assert first >= 2  # ACP-SGD alternates P- and Q-steps: the first of each is left out
+    for spec in ("acpsgd", "powersgd", "topk", "signsgd", "wfbp:compress=qsgd", "lee18:compress=signsgd"):
+        assert runner.timing_warmup(runner.timing_spec(spec, cfg), cfg) == 3 + first, spec
+    assert runner.timing_warmup("topk:start_iter=7", cfg) == 7 + first  # an explicit start counts from there
+    assert runner.timing_warmup("topk:start_iter=0", cfg) == 3  # the bench's own warm-up is longer
+    # a start given as a duration resolves only in a run; timing runs always give a step count
+    assert runner.timing_warmup("topk", cfg) == 3
+    for spec in ("ssgd", "fp16", "dear", "nocomm"):  # nothing to compress: the bench's warm-up
+        assert runner.timing_warmup(runner.timing_spec(spec, cfg), cfg) == 3, spec
+    args = runner.train_args(cfg, runner.timing_spec("acpsgd", cfg), tmp_path / "a.json")
+    assert args[args.index("--steps") + 1] == str(4 + 3 + first)
+    assert args[args.index("--warmup-steps") + 1] == str(3 + first)
+    result = harness.run_bench(config(tmp_path, ["acpsgd"], warmup=3), launcher=fake_launcher)
+    row = next(r for r in result["runs"] if r["method"] == "acpsgd")  # (failed: the stand-in knows no codec)
+    assert row["spec_run"] == "acpsgd:start_iter=3" and row["warmup_iters"] == 3 + first
+
+
 def test_without_namespace_support_runs_on_loopback_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(netns, "netns_support", lambda: "network namespaces need root")
     result = harness.run_bench(config(tmp_path, ["ssgd"], net="100mbit"), launcher=fake_launcher)
