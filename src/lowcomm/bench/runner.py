@@ -197,8 +197,8 @@ def timing_spec(spec: str, cfg: BenchConfig) -> str:
 #: compressed steps a timing run leaves out after the dense ones (``start_iter``): the first
 #: allocates the codec's state (error feedback, factors, its buffers) and ACP-SGD's first two
 #: are its first P- and Q-step. Measured on ResNet-18, 4 workers sharing 2 vCPUs: ``acpsgd``'s
-#: first compressed step took 1.19-1.50 s against 1.05-1.10 s for the steps after it, and with
-#: four timed steps that one step lifted the median by up to 5 % (benchmarks.md, "The first
+#: first compressed step took 1.19-1.50 s where its steps 5-30 averaged 1.02-1.09 s, and with
+#: four timed steps that one step lifted the median by 0.5-3.7 % (benchmarks.md, "The first
 #: compressed step left out of the timing").
 FIRST_COMPRESSED_STEPS = 2
 
