@@ -183,7 +183,7 @@ def timing_spec(spec: str, cfg: BenchConfig) -> str:
     if cfg.tta:
         return spec
     name, opts = methods.split_spec(spec)
-    holder = _codec_options(spec)
+    holder = _codec_options(methods.create(spec).options)
     if holder is None:
         return spec
     fields = {f.name for f in dataclasses.fields(holder)}
@@ -203,13 +203,10 @@ def timing_spec(spec: str, cfg: BenchConfig) -> str:
 FIRST_COMPRESSED_STEPS = 2
 
 
-def _codec_options(spec: str) -> Any:
-    """The options of the codec ``spec`` runs (an engine method holds its chosen codec's, None
-    without one; a hook method's are its own): where its warm-ups (``start_iter``, DGC's
-    ``sparsity_warmup``) live."""
-    from lowcomm import methods
-
-    options = methods.create(spec).options
+def _codec_options(options: Any) -> Any:
+    """The options of the codec a method with ``options`` runs (an engine method holds its
+    chosen codec's, None without one; a hook method's are its own): where its warm-ups
+    (``start_iter``, DGC's ``sparsity_warmup``) live."""
     return options.codec_options if hasattr(options, "codec_options") else options
 
 
@@ -222,8 +219,9 @@ def timing_warmup(spec: str, cfg: BenchConfig) -> int:
     (:meth:`lowcomm.methods.base.Method.warmup_steps`)."""
     from lowcomm import methods
 
-    warm = max(cfg.warmup, methods.create(spec).warmup_steps())
-    start = getattr(_codec_options(spec), "start_iter", None)
+    method = methods.create(spec)
+    warm = max(cfg.warmup, method.warmup_steps())
+    start = getattr(_codec_options(method.options), "start_iter", None)
     if isinstance(start, int) and not isinstance(start, bool):
         warm = max(warm, start + FIRST_COMPRESSED_STEPS)
     return warm
