@@ -68,7 +68,7 @@ class NetCounts:
 
 def is_reference(row: dict[str, Any]) -> bool:
     """Whether a bench row is a compute reference (it calibrates the predictions)."""
-    return row["method"] == "nocomm" or row.get("compute_reference") in (row.get("spec_run") or row["method"],)
+    return row["method"] == "nocomm" or row.get("compute_reference") == (row.get("spec_run") or row["method"])
 
 
 def prediction_counts(bench: dict[str, Any]) -> list[NetCounts]:

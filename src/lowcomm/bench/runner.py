@@ -222,7 +222,7 @@ def timing_warmup(spec: str, cfg: BenchConfig) -> int:
     method = methods.create(spec)
     warm = max(cfg.warmup, method.warmup_steps())
     start = getattr(_codec_options(method.options), "start_iter", None)
-    if isinstance(start, int) and not isinstance(start, bool):
+    if isinstance(start, int):  # (a duration resolves only in the run)
         warm = max(warm, start + FIRST_COMPRESSED_STEPS)
     return warm
 

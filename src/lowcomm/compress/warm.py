@@ -57,14 +57,14 @@ def compile_kernels(codec: Codec, params: Iterable[torch.Tensor]) -> bool:
         return False  # (the compiled paths take float32 CPU tensors only)
     if all(native.load(name) is None for name in codec.compiled_kernels):
         return False
+    shapes = warm_shapes(p.shape for p in params)
+    if not shapes:
+        return False
     key = (type(codec).__name__, repr(codec.options), codec.momentum_factor != 0.0)
     with _LOCK:
         if key in _WARMED:
             return False
         _WARMED.add(key)
-    shapes = warm_shapes(p.shape for p in params)
-    if not shapes:
-        return False
     names = [f"warm.{i}" for i in range(len(shapes))]
     layout = Layout.of(names, shapes, {n: i for i, n in enumerate(names)})
     x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(0))
